@@ -1,0 +1,5 @@
+"""The batching engine: requests, scheduler + policies, KV caches, model runner, sampler."""
+from engine.engine import LLMEngine
+from engine.request import Request, RequestError, SamplingParams
+
+__all__ = ["LLMEngine", "Request", "RequestError", "SamplingParams"]

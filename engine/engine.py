@@ -1,0 +1,76 @@
+"""The engine: validate and queue requests; each step is schedule, run, update, the same for every policy."""
+import time
+
+from engine.policies import make_scheduler
+from engine.request import Request, RequestError, SamplingParams
+from engine.runner import ModelRunner
+from engine.scheduler import StepEvent
+
+
+class LLMEngine:
+    def __init__(self, hf_model, policy_cfg, capacity: int, eos_ids=(), cache: str = "slot", seed: int = 0,
+                 clock=time.perf_counter):
+        self.scheduler = make_scheduler(policy_cfg, capacity, eos_ids)
+        self.runner = ModelRunner(hf_model, self.scheduler.seats.num_seats, capacity, cache, seed, eos_ids)
+        self.capacity = capacity
+        self.vocab_size = self.runner.net.vocab_size
+        self.clock = clock
+        self.t0 = clock()
+        self.steps: list[dict] = []   # one record per forward pass: start, duration (s), kind, token counts
+
+    def now(self) -> float:
+        """Seconds since the engine was made."""
+        return self.clock() - self.t0
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None = None) -> Request:
+        """Validate and queue; raises RequestError naming the field and the limit, admitting nothing."""
+        if rid in self.scheduler.requests:
+            raise RequestError("request_id", f"{rid!r} is already in the engine")
+        if not isinstance(prompt, list) or not prompt:
+            raise RequestError("prompt", "must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+            raise RequestError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        if len(prompt) + params.max_new_tokens > self.capacity:
+            raise RequestError("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens "
+                               f"({params.max_new_tokens}) = {len(prompt) + params.max_new_tokens} exceeds "
+                               f"the seat capacity of {self.capacity} tokens")
+        req = Request(rid, list(prompt), params, self.now() if arrival is None else arrival)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> StepEvent | None:
+        event = self.scheduler.abort(rid, self.now())
+        self.runner.sampler.forget(rid)
+        return event
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepEvent]:
+        """One iteration; returns an event per new token (and per finish). Empty when nothing could run."""
+        start = self.now()
+        plan = self.scheduler.schedule(start)
+        if not plan.chunks:
+            return []
+        reqs = self.scheduler.requests
+        params = {c.rid: reqs[c.rid].params for c in plan.chunks if c.sample}
+        sampled = self.runner.run(plan, params)
+        end = self.now()
+        events = self.scheduler.update(plan, sampled, end)
+        for e in events:
+            if e.finish_reason:
+                self.runner.sampler.forget(e.rid)
+        live = sum(1 for c in plan.chunks if not c.zombie)
+        self.steps.append({"start": start, "duration": end - start, "kind": plan.kind,
+                           "num_tokens": plan.total_tokens, "num_prompt_tokens": sum(len(c.tokens) for c in plan.chunks if c.prompt),
+                           "live_rows": live, "computed_rows": len(plan.chunks), "num_new": len(plan.new_ids)})
+        return events
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """All prompts arrive now; step until every one is done; return each one's output tokens."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(f"g{len(self.steps)}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        while self.has_work():
+            self.step()
+        return [r.output for r in reqs]

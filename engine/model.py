@@ -1,0 +1,124 @@
+"""One forward pass over a flattened, ragged batch of tokens for Llama-family models (Llama, Mistral, Qwen2).
+
+The weights are the Hugging Face model's own; q/k/v and gate/up are fused into one matrix each.
+Attention runs in two batched calls per layer, never a loop over sequences:
+  decodes (one query each) against a no-copy view of the first seats of the cache,
+  prompt chunks (padded to the longest chunk) against a gather of their seats.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class AttentionPlan:
+    """Index tensors for one step, shared by every layer; built by the runner."""
+    seats: torch.Tensor          # [T] seat of each token
+    positions: torch.Tensor      # [T] position of each token in its sequence
+    dec_tok: torch.Tensor | None  # [Bd] flat indices of one-token chunks
+    dec_seats: torch.Tensor | None
+    dec_num_seats: int           # decode view covers seats [0, dec_num_seats)
+    dec_len: int                 # decode view length (longest context among decoders)
+    dec_bias: torch.Tensor | None  # [S, 1, 1, L] additive: 0 = attend, -inf = masked
+    dec_dense: bool              # all tokens are decodes and token i sits in seat i
+    pre_tok: torch.Tensor | None  # [Tp] flat indices of tokens in multi-token chunks
+    pre_slot: torch.Tensor | None  # [Tp] index into the padded [P * Qmax] query grid
+    pre_seats: torch.Tensor | None  # [P]
+    pre_shape: tuple[int, int, int]  # (P, Qmax, Lp)
+    pre_mask: torch.Tensor | None  # [P, 1, Qmax, Lp] bool
+
+
+class FlatModel:
+    def __init__(self, hf_model):
+        cfg = hf_model.config
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(f"model_type {cfg.model_type!r} is not supported; the engine runs {SUPPORTED}")
+        self.hf = hf_model
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.head_dim ** -0.5
+        self.act = {"silu": F.silu, "gelu": F.gelu}[cfg.hidden_act]
+        m = hf_model.model
+        self.embed = m.embed_tokens.weight
+        self.norm = m.norm.weight
+        self.lm_head = hf_model.lm_head.weight
+        self.rotary = m.rotary_emb
+        self.layers = []
+        with torch.no_grad():
+            for layer in m.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                self.layers.append((
+                    layer.input_layernorm.weight,
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
+                    a.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    mlp.down_proj.weight,
+                ))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.embed.element_size()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, plan: AttentionPlan, cache, logit_rows: torch.Tensor) -> torch.Tensor:
+        """ids: [T]; returns float32 logits [len(logit_rows), vocab]."""
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.rotary(x[None], plan.positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]           # [T, 1, D]
+        half, T = D // 2, ids.shape[0]
+        slots = cache.slots(plan.seats, plan.positions)  # flat cache rows of this step's tokens
+        for i, (ln1, wqkv, bqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
+            qkv = F.linear(h, wqkv, bqkv)
+            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)  # rotary on q and k together
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
+            cache.write(i, slots, k, v)
+            attn = self._attend(i, q, plan, cache)
+            x = torch.addmm(x, attn.view(T, H * D), wo.t())
+            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps)
+            gate, up = F.linear(h, wgu).chunk(2, dim=-1)
+            x = torch.addmm(x, self.act(gate) * up, wd.t())
+        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attend(self, layer: int, q: torch.Tensor, plan: AttentionPlan, cache) -> torch.Tensor:
+        H, D = self.num_heads, self.head_dim
+        S, L = plan.dec_num_seats, plan.dec_len
+        if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
+            return self._decode(layer, q.contiguous(), S, L, plan.dec_bias, cache).view(q.shape)
+        out = torch.empty_like(q)
+        if plan.dec_tok is not None:
+            qd = q.new_zeros(S, H, D)
+            qd[plan.dec_seats] = q[plan.dec_tok]
+            out[plan.dec_tok] = self._decode(layer, qd, S, L, plan.dec_bias, cache)[plan.dec_seats]
+        if plan.pre_tok is not None:
+            P, Q, L = plan.pre_shape
+            qp = q.new_zeros(P * Q, H, D)
+            qp[plan.pre_slot] = q[plan.pre_tok]
+            k, v = cache.gather(layer, plan.pre_seats, L)
+            o = F.scaled_dot_product_attention(qp.view(P, Q, H, D).transpose(1, 2), k, v, attn_mask=plan.pre_mask,
+                                               scale=self.scale, enable_gqa=True)
+            out[plan.pre_tok] = o.transpose(1, 2).reshape(P * Q, H, D)[plan.pre_slot]
+        return out
+
+    def _decode(self, layer: int, q: torch.Tensor, S: int, L: int, bias: torch.Tensor, cache) -> torch.Tensor:
+        """One query per seat [S, H, D] against a view of seats [0, S): two batched matmuls over the GQA groups."""
+        k, v = cache.view(layer, S, L)                                # [S, KV, L, D]
+        qg = q.view(S, self.num_kv_heads, -1, self.head_dim)          # [S, KV, H/KV, D]
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(self.scale).add_(bias)
+        return torch.matmul(scores.softmax(dim=-1), v).view(S, self.num_heads, self.head_dim)

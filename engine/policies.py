@@ -1,0 +1,144 @@
+"""The batching policies, one class each; `make_scheduler` builds one from a conf/policy entry.
+
+Request-level (a batch runs until its longest member ends; finished rows stay as zombies):
+  static, dynamic, bucketed.  Iteration-level (seats refilled every step): naive, continuous, mixed, chunked.
+"""
+import math
+
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+class Continuous(Scheduler):
+    """Prefill-first: admit into free seats; a step is the newcomers' whole prompts, or one decode for all."""
+
+    def _admit_waiting(self, now: float) -> list[Request]:
+        new = []
+        while self.waiting and self.seats.can_allocate():
+            req = self.waiting.popleft()
+            self._admit(req, now)
+            new.append(req)
+        return new
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        new = self._admit_waiting(now)
+        prefill = [r for r in self.running if r.in_prompt]
+        rows = prefill or self.running
+        return self._output([self._chunk(r, self.capacity) for r in rows], new)
+
+
+class Naive(Continuous):
+    """One request at a time, first come first served: continuous with a single seat."""
+
+    def __init__(self, num_seats: int, capacity: int, eos_ids=()):
+        super().__init__(1, capacity, eos_ids)
+
+
+class Mixed(Continuous):
+    """Newcomers' whole prompts and every running decode in the same forward pass."""
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        new = self._admit_waiting(now)
+        return self._output([self._chunk(r, self.capacity) for r in self.running], new)
+
+
+class Chunked(Continuous):
+    """A per-step token budget: decodes first, then prompt chunks; a cut prompt continues next step."""
+
+    def __init__(self, num_seats: int, capacity: int, eos_ids=(), token_budget: int = 128):
+        super().__init__(num_seats, capacity, eos_ids)
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        self.token_budget = token_budget
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        budget = self.token_budget
+        chunks = []
+        for r in self.running:  # decodes first: a running stream never skips a step
+            if not r.in_prompt and budget > 0:
+                chunks.append(self._chunk(r, 1))
+                budget -= 1
+        new = []
+        for r in self.running:  # prompts already started continue in admission order
+            if r.in_prompt and budget > 0:
+                chunks.append(self._chunk(r, budget))
+                budget -= len(chunks[-1].tokens)
+        while budget > 0 and self.waiting and self.seats.can_allocate():
+            req = self.waiting.popleft()
+            self._admit(req, now)
+            new.append(req)
+            chunks.append(self._chunk(req, budget))
+            budget -= len(chunks[-1].tokens)
+        return self._output(chunks, new)
+
+
+class Dynamic(Scheduler):
+    """Launch a batch when `max_batch` wait or the oldest has waited `max_wait_ms`; run it to its longest end."""
+
+    holds_finished = True
+
+    def __init__(self, num_seats: int, capacity: int, eos_ids=(), max_batch: int = 8,
+                 max_wait_ms: float = 50.0, pad_prompts: bool = False):
+        super().__init__(min(num_seats, max_batch), capacity, eos_ids)
+        self.max_batch = min(num_seats, max_batch)
+        self.max_wait = max_wait_ms / 1000.0  # s; inf = pure static
+        self.pad_prompts = pad_prompts
+        self.batch_sizes: list[int] = []      # launched batch sizes, in order
+
+    def wake_time(self, now: float) -> float | None:
+        if self.running or not self.waiting or math.isinf(self.max_wait):
+            return None
+        return self.waiting[0].arrival + self.max_wait
+
+    def _pick(self) -> list[Request]:
+        return [self.waiting.popleft() for _ in range(min(self.max_batch, len(self.waiting)))]
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        if self.running:  # the batch is closed: every row decodes, finished rows as zombies
+            return self._output([self._zombie(r) if r.finish_reason else self._chunk(r, 1) for r in self.running], [])
+        full = len(self.waiting) >= self.max_batch
+        due = bool(self.waiting) and now - self.waiting[0].arrival >= self.max_wait
+        if not (full or due):
+            return self._output([], [])
+        batch = self._pick()
+        for r in batch:
+            self._admit(r, now)
+        self.batch_sizes.append(len(batch))
+        longest = max(len(r.prompt) for r in batch)
+        pads = sum(longest - len(r.prompt) for r in batch) if self.pad_prompts else 0
+        return self._output([self._chunk(r, self.capacity) for r in batch], batch, pads)
+
+
+class Static(Dynamic):
+    """Wait for a full batch of `max_batch`, with no deadline (a lone request waits forever)."""
+
+    def __init__(self, num_seats: int, capacity: int, eos_ids=(), max_batch: int = 8, pad_prompts: bool = False):
+        super().__init__(num_seats, capacity, eos_ids, max_batch, math.inf, pad_prompts)
+
+
+class Bucketed(Dynamic):
+    """ORACLE: groups the oldest request with the waiting ones closest to its true output length.
+
+    It cheats: it reads each request's real output length (max_new_tokens under ignore_eos), which a
+    real server would have to predict. It shows how much of continuous batching's win length-awareness alone buys.
+    """
+
+    def _pick(self) -> list[Request]:
+        oldest = self.waiting.popleft()
+        length = oldest.params.max_new_tokens
+        rest = sorted(self.waiting, key=lambda r: abs(r.params.max_new_tokens - length))[:self.max_batch - 1]
+        for r in rest:
+            self.waiting.remove(r)
+        return [oldest, *rest]
+
+
+POLICIES = {"naive": Naive, "static": Static, "dynamic": Dynamic, "bucketed": Bucketed,
+            "continuous": Continuous, "mixed": Mixed, "chunked": Chunked}
+
+
+def make_scheduler(policy_cfg, capacity: int, eos_ids=()) -> Scheduler:
+    """Build the scheduler for a conf/policy entry: {name, max_seats, ...knobs}."""
+    knobs = {k: v for k, v in dict(policy_cfg).items() if k not in ("name", "max_seats")}
+    if policy_cfg["name"] not in POLICIES:
+        raise ValueError(f"unknown policy {policy_cfg['name']!r}; choose one of {sorted(POLICIES)}")
+    return POLICIES[policy_cfg["name"]](int(policy_cfg["max_seats"]), capacity, eos_ids, **knobs)

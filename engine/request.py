@@ -1,0 +1,77 @@
+"""A request's parameters (validated at the API) and its state as it moves through the engine."""
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `field` names the offending field (for a 400 at the server)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0   # 0 = greedy
+    top_p: float = 1.0         # nucleus mass kept, (0, 1]
+    top_k: int = 0             # 0 = off
+    seed: int | None = None    # per-request RNG seed; None draws from the engine's seeded RNG
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self, vocab_size: int) -> None:
+        def need(ok: bool, name: str, msg: str):
+            if not ok:
+                raise RequestError(name, msg)
+
+        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
+             f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        need(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0, "temperature",
+             f"must be in [0, 100], got {self.temperature!r}")
+        need(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, "top_p",
+             f"must be in (0, 1], got {self.top_p!r}")
+        need(isinstance(self.top_k, int) and 0 <= self.top_k <= vocab_size, "top_k",
+             f"must be an integer in [0, {vocab_size}], got {self.top_k!r}")
+        need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+             f"must be an integer in [0, 2**63), got {self.seed!r}")
+        need(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
+             f"must be token ids in [0, {vocab_size})")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = 0.0                              # s, on the engine's clock
+    status: Status = Status.WAITING
+    seat: int | None = None
+    num_computed: int = 0                             # tokens whose K/V are in the seat
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # s, one per output token
+    admit_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None                  # "stop" | "length" | "abort" | "error"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def in_prompt(self) -> bool:
+        """Still has prompt tokens whose K/V are not yet computed."""
+        return self.num_computed < len(self.prompt)
+
+    def next_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens not yet computed: a prompt chunk, or the last sampled token."""
+        if self.num_computed >= len(self.prompt):
+            return self.output[self.num_computed - len(self.prompt):][:limit]
+        return self.prompt[self.num_computed:self.num_computed + limit]

@@ -1,0 +1,89 @@
+"""The model runner: turns a SchedulerOutput into one forward pass and one sampled token per sampling chunk.
+
+It never branches on the policy: a decode, a whole prompt and a prompt chunk are chunks of different lengths.
+Only plain Python values go back to the scheduler.
+"""
+import torch
+
+from engine.kv_cache import CatCache, SlotCache
+from engine.model import AttentionPlan, FlatModel
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+CACHES = {"slot": SlotCache, "cat": CatCache}
+
+
+class ModelRunner:
+    def __init__(self, hf_model, num_seats: int, capacity: int, cache: str = "slot", seed: int = 0, eos_ids=()):
+        self.net = FlatModel(hf_model)
+        self.device = self.net.embed.device
+        self.capacity = capacity
+        self.cache = CACHES[cache](self.net.num_layers, num_seats, capacity, self.net.num_kv_heads,
+                                   self.net.head_dim, self.net.dtype, self.device)
+        self.sampler = Sampler(seed, eos_ids)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def plan(self, out: SchedulerOutput):
+        """Flatten the chunks: token ids, the attention index tensors, and the rows to take logits from."""
+        ids, seats, positions, logit_rows = [], [], [], []
+        dec_tok, dec_seats, dec_lens = [], [], []
+        pre_tok, pre_slot, pre_seats, pre_spans = [], [], [], []
+        qmax = max((len(c.tokens) for c in out.chunks if len(c.tokens) > 1), default=0)
+        for c in out.chunks:
+            n, t0 = len(c.tokens), len(ids)
+            ids.extend(c.tokens)
+            seats.extend([c.seat] * n)
+            positions.extend(range(c.start, c.start + n))
+            if n == 1:
+                dec_tok.append(t0)
+                dec_seats.append(c.seat)
+                dec_lens.append(c.start + 1)
+            else:
+                p = len(pre_seats)
+                pre_tok.extend(range(t0, t0 + n))
+                pre_slot.extend(range(p * qmax, p * qmax + n))
+                pre_seats.append(c.seat)
+                pre_spans.append((c.start, n))
+            if c.sample:
+                logit_rows.append(t0 + n - 1)
+        dec = self._decode_part(dec_tok, dec_seats, dec_lens, len(ids))
+        pre = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax)
+        attn = AttentionPlan(self._tensor(seats), self._tensor(positions), *dec, *pre)
+        return self._tensor(ids), attn, self._tensor(logit_rows)
+
+    def _decode_part(self, tok, seats, lens, num_tokens):
+        if not tok:
+            return None, None, 0, 0, None, False
+        num_seats, length = max(seats) + 1, max(lens)
+        dense = len(tok) == num_tokens and seats == tok  # only decodes, token i in seat i
+        seat_len = [1] * num_seats           # seats not decoding attend to position 0 (discarded)
+        for s, n in zip(seats, lens):
+            seat_len[s] = n
+        masked = torch.arange(length, device=self.device)[None, :] >= self._tensor(seat_len)[:, None]
+        bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, float("-inf"))
+        return self._tensor(tok), self._tensor(seats), num_seats, length, bias[:, None, None, :], dense
+
+    def _prefill_part(self, tok, slot, seats, spans, qmax):
+        if not tok:
+            return None, None, None, (0, 0, 0), None
+        length = max(s + n for s, n in spans)
+        starts = self._tensor([s for s, _ in spans])[:, None, None]
+        counts = self._tensor([n for _, n in spans])[:, None, None]
+        qi = torch.arange(qmax, device=self.device)[None, :, None]
+        kj = torch.arange(length, device=self.device)[None, None, :]
+        mask = (kj <= starts + qi) | (qi >= counts)  # causal by absolute position; padded query rows see all
+        return (self._tensor(tok), self._tensor(slot), self._tensor(seats), (len(seats), qmax, length),
+                mask[:, None])
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
+        """One forward pass; returns rid -> sampled token for every chunk that samples. params: rid -> SamplingParams."""
+        if not out.chunks:
+            return {}
+        ids, attn, rows = self.plan(out)
+        logits = self.net.forward(ids, attn, self.cache, rows)
+        sampled = [c for c in out.chunks if c.sample]
+        rids = [c.rid for c in sampled]
+        return dict(zip(rids, self.sampler(logits, rids, [params[r] for r in rids])))

@@ -1,0 +1,183 @@
+"""The scheduler: who runs each step and how many tokens each. One SchedulerOutput per step.
+
+Policies subclass Scheduler and override `schedule` (see engine/policies.py); the bookkeeping that
+every policy shares (queue, seats, appending tokens, finishing, zombie rows) lives here.
+"""
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    rid: str
+    seat: int
+    start: int                  # position of the first token in the sequence
+    tokens: tuple[int, ...]     # a whole prompt, a prompt chunk or one decode token
+    sample: bool                # take a token from the chunk's last position
+    prompt: bool = False        # the tokens are (part of) the prompt
+    zombie: bool = False        # a finished row kept in a static batch: computed, then discarded
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...] = ()
+    new_ids: tuple[str, ...] = ()        # admitted this step
+    finished_ids: tuple[str, ...] = ()   # finished since the last step (aborts included)
+    preempted_ids: tuple[str, ...] = ()
+    num_pad_tokens: int = 0              # left-padding computed and discarded (padded batch policies)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # rid -> tokens this step
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks) + self.num_pad_tokens
+
+    @property
+    def kind(self) -> str:
+        """"idle", "prefill", "decode" or "mixed" (prompt tokens and decodes in one pass)."""
+        if not self.chunks:
+            return "idle"
+        prompt = any(c.prompt for c in self.chunks)
+        decode = any(not c.prompt for c in self.chunks)
+        return "mixed" if prompt and decode else ("prefill" if prompt else "decode")
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    rid: str
+    token: int | None           # None for an abort or error
+    finish_reason: str | None   # set on the request's last event
+
+
+class SeatTable:
+    """Which seats (rows of the KV cache) are free; lowest first, so used seats stay packed."""
+
+    def __init__(self, num_seats: int):
+        self.num_seats = num_seats
+        self._free = list(range(num_seats))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return len(self._free) >= n
+
+    def allocate(self) -> int:
+        return heapq.heappop(self._free)
+
+    def free(self, seat: int) -> None:
+        heapq.heappush(self._free, seat)
+
+
+class Scheduler:
+    """Base scheduler; subclasses are the policies. `holds_finished` keeps finished rows as zombies."""
+
+    holds_finished = False
+
+    def __init__(self, num_seats: int, capacity: int, eos_ids=()):
+        self.seats = SeatTable(num_seats)
+        self.capacity = capacity                      # tokens per seat
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []              # holding a seat, admission order
+        self.requests: dict[str, Request] = {}
+        self._finished_since: list[str] = []
+
+    # --- the queue -------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str, now: float, reason: str = "abort") -> StepEvent | None:
+        req = self.requests.get(rid)
+        if req is None or req.status is Status.FINISHED:
+            return None
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+            self._close(req, reason, now)
+            del self.requests[rid]
+        else:
+            self._finish(req, reason, now)
+        return StepEvent(rid, None, reason)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def wake_time(self, now: float) -> float | None:
+        """When an idle scheduler may launch without a new arrival (a batching deadline), else None."""
+        return None
+
+    # --- one step --------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        raise NotImplementedError("a policy overrides schedule()")
+
+    def update(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[StepEvent]:
+        """Append sampled tokens, finish requests, free seats; return one event per new token."""
+        events = []
+        for ch in plan.chunks:
+            req = self.requests.get(ch.rid)
+            if req is None:  # its batch ended earlier in this update
+                continue
+            req.num_computed += len(ch.tokens)
+            if ch.zombie or not ch.sample or req.status is Status.FINISHED:
+                continue
+            token = sampled[ch.rid]
+            req.output.append(token)
+            req.token_times.append(now)
+            reason = self._stop_reason(req, token)
+            if reason:
+                self._finish(req, reason, now)
+            events.append(StepEvent(req.rid, token, reason))
+        return events
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        return "length" if len(req.output) >= p.max_new_tokens else None
+
+    # --- helpers for policies --------------------------------------------------------------
+    def _admit(self, req: Request, now: float) -> None:
+        req.seat = self.seats.allocate()
+        req.status = Status.RUNNING
+        req.admit_time = now
+        self.running.append(req)
+
+    def _close(self, req: Request, reason: str, now: float) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
+        self._finished_since.append(req.rid)
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        """Close a running request; free its seat now, or with its whole batch when rows are held."""
+        self._close(req, reason, now)
+        if not self.holds_finished:
+            self._release(req)
+        elif all(r.status is Status.FINISHED for r in self.running):  # the batch's longest just ended
+            for r in list(self.running):
+                self._release(r)
+
+    def _release(self, req: Request) -> None:
+        self.running.remove(req)
+        self.seats.free(req.seat)
+        del self.requests[req.rid]
+
+    def _chunk(self, req: Request, limit: int) -> ScheduledChunk:
+        tokens = req.next_tokens(limit)
+        last = req.num_computed + len(tokens) >= len(req.prompt)  # chunk reaches the end of the prompt
+        return ScheduledChunk(req.rid, req.seat, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt)
+
+    def _zombie(self, req: Request) -> ScheduledChunk:
+        """A finished row's dummy decode: its last token again, at its next position (clamped to the seat)."""
+        start = min(req.num_computed, self.capacity - 1)
+        return ScheduledChunk(req.rid, req.seat, start, (req.output[-1] if req.output else req.prompt[-1],),
+                              sample=True, prompt=False, zombie=True)
+
+    def _output(self, chunks: list[ScheduledChunk], new: list[Request], pads: int = 0) -> SchedulerOutput:
+        finished, self._finished_since = tuple(self._finished_since), []
+        return SchedulerOutput(tuple(chunks), tuple(r.rid for r in new), finished, (), pads,
+                               {c.rid: len(c.tokens) for c in chunks})

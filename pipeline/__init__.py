@@ -1,0 +1,1 @@
+"""One module per DVC stage (python -m pipeline.<stage>), plus the load generator and metrics."""

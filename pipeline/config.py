@@ -1,0 +1,23 @@
+"""Stage config: params.yaml (composed from conf/ by DVC), or conf/ composed with Hydra overrides from argv."""
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+PARAMS = ROOT / "params.yaml"
+
+
+def compose_config(overrides: list[str] = ()) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides; a bad option fails here and lists the valid ones."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def load(argv: list[str] | None = None) -> DictConfig:
+    """params.yaml when run without arguments (as DVC does), else conf/ with the given overrides."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv and PARAMS.exists():
+        return OmegaConf.load(PARAMS)
+    return compose_config(argv)

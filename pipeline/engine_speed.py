@@ -1,0 +1,91 @@
+"""Speed benchmark: the engine against Hugging Face `generate` on the same model, dtype and requests, one process.
+
+Each case: B prompts arriving at once, exactly `new_tokens` new tokens each (EOS ignored / suppressed).
+Hugging Face runs a left-padded batch; the engine runs continuous batching with B seats. Best of `repeats`
+after one warm-up; prefill timed apart (HF: a 1-token generate; engine: its first, all-prompt step).
+Writes reports/engine_speed.json (a list of rows) and prints them.
+"""
+import json
+import time
+
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.loader import eos_ids, load_model
+from pipeline.config import ROOT, load
+from pipeline.env import PeakRSS, environment
+from pipeline.io import write_json
+from pipeline.prompts import prompts_for
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Seconds for one left-padded batch generate of exactly new_tokens tokens per row."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - t
+
+
+def engine_run(model, prompts, new_tokens: int, eos) -> dict:
+    """One engine run of B requests arriving together; total and first-step (prefill) seconds, cache size."""
+    capacity = max(map(len, prompts)) + new_tokens
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": len(prompts)}, capacity, eos)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    with PeakRSS() as rss:
+        t = time.perf_counter()
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        while eng.has_work():
+            eng.step()
+        total = time.perf_counter() - t
+    return {"total": total, "prefill": eng.steps[0]["duration"], "rss": rss.peak_mb,
+            "kv": eng.runner.cache.nbytes, "kv_per_token": eng.runner.net.kv_bytes_per_token, "capacity": capacity}
+
+
+def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int) -> dict:
+    B, n = int(case["batch"]), int(case["new_tokens"])
+    prompts = prompts_for(case["prompt"], B, tokenizer, model.config.vocab_size)
+    reps = int(case.get("repeats", repeats))
+    eng = [engine_run(model, prompts, n, eos) for _ in range(reps)]
+    best = min(eng, key=lambda r: r["total"])
+    hf_total = min(hf_generate(model, prompts, n, pad_id) for _ in range(reps))
+    hf_prefill = min(hf_generate(model, prompts, 1, pad_id) for _ in range(reps))
+    tokens = B * n
+    row = {"batch": B, "prompt_tokens": sum(map(len, prompts)) // B, "new_tokens": n,
+           "engine_tps": tokens / best["total"], "hf_tps": tokens / hf_total,
+           "engine_prefill_s": best["prefill"], "hf_prefill_s": hf_prefill,
+           "engine_decode_tps": B * (n - 1) / (best["total"] - best["prefill"]),
+           "hf_decode_tps": B * (n - 1) / (hf_total - hf_prefill),
+           "engine_peak_rss_mb": max(r["rss"] for r in eng), "kv_cache_bytes": best["kv"],
+           "kv_bytes_expected": B * best["capacity"] * best["kv_per_token"]}
+    row["ratio"] = row["engine_tps"] / row["hf_tps"]
+    row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
+    return row
+
+
+def main(cfg) -> list[dict]:
+    torch.set_num_threads(int(cfg.threads))
+    torch.manual_seed(int(cfg.seed))
+    model, tokenizer = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    eos = eos_ids(model)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    bench = cfg.bench.engine_speed
+    warm = prompts_for("chat", 2, tokenizer, model.config.vocab_size)
+    engine_run(model, warm, 8, eos)  # warm-up, not reported
+    hf_generate(model, warm, 8, pad_id)
+    rows, env = [], environment(cfg.precision.device)
+    for case in bench.cases:
+        row = run_case(model, tokenizer, dict(case), int(bench.repeats), eos, pad_id)
+        row.update(model=cfg.model.name, dtype=cfg.precision.dtype, **env)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    write_json(ROOT / "reports" / "engine_speed.json", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main(load())

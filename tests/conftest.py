@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random-weight models of two architectures, the real default model, HF references."""
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.loader import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ("tiny-llama", "tiny-qwen2")
+
+
+def model_cfg(name: str):
+    return OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+
+
+@pytest.fixture(scope="session", params=TINY)
+def tiny(request):
+    """(name, model) for each tiny architecture."""
+    torch.set_num_threads(2)
+    model, _ = load_model(model_cfg(request.param))
+    return request.param, model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return load_model(model_cfg("tiny-llama"))[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, prepared from its GGUF package on first use."""
+    from pipeline.prepare_model import prepare
+
+    cfg = model_cfg("smollm2-135m")
+    cfg.path = str(ROOT / cfg.path)
+    if not (Path(cfg.path) / "config.json").exists():
+        prepare(cfg)
+    torch.set_num_threads(2)
+    return load_model(cfg)
+
+
+def hf_reference(model, prompt: list[int], n: int) -> list[int]:
+    """Hugging Face generate on one request alone: greedy, exactly n new tokens."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
