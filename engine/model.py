@@ -1,6 +1,7 @@
 """One forward pass over a flattened, ragged batch of tokens for Llama-family models (Llama, Mistral, Qwen2).
 
-The weights are the Hugging Face model's own; q/k/v and gate/up are fused into one matrix each.
+The weights are copies of the Hugging Face model's, stored [in, out] (faster GEMMs on the CPU than [out, in]),
+with q/k/v and gate/up fused into one matrix each.
 Attention runs in two batched calls per layer, never a loop over sequences:
   decodes (one query each) against a no-copy view of the first seats of the cache,
   prompt chunks (padded to the longest chunk) against a gather of their seats.
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+ROW_BLOCK = 1024  # tokens per MLP block in long prefills: keeps the [rows, 2 x intermediate] activations in cache
 
 
 @dataclass
@@ -28,7 +30,8 @@ class AttentionPlan:
     pre_slot: torch.Tensor | None  # [Tp] index into the padded [P * Qmax] query grid
     pre_seats: torch.Tensor | None  # [P]
     pre_shape: tuple[int, int, int]  # (P, Qmax, Lp)
-    pre_mask: torch.Tensor | None  # [P, 1, Qmax, Lp] bool
+    pre_mask: torch.Tensor | None  # [P, 1, Qmax, Lp] bool; None when every chunk starts at 0 (plain causal)
+    pre_dense: bool = False      # only whole prompts, all of one length: this step's q, k, v are the grid
 
 
 class FlatModel:
@@ -48,20 +51,20 @@ class FlatModel:
         m = hf_model.model
         self.embed = m.embed_tokens.weight
         self.norm = m.norm.weight
-        self.lm_head = hf_model.lm_head.weight
         self.rotary = m.rotary_emb
         self.layers = []
         with torch.no_grad():
+            self.lm_head = hf_model.lm_head.weight.t().contiguous()
             for layer in m.layers:
                 a, mlp = layer.self_attn, layer.mlp
                 bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                 self.layers.append((
                     layer.input_layernorm.weight,
-                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), bias,
-                    a.o_proj.weight,
+                    torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous(), bias,
+                    a.o_proj.weight.t().contiguous(),
                     layer.post_attention_layernorm.weight,
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    mlp.down_proj.weight,
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().contiguous(),
+                    mlp.down_proj.weight.t().contiguous(),
                 ))
 
     @property
@@ -79,25 +82,37 @@ class FlatModel:
         x = F.embedding(ids, self.embed)
         cos, sin = self.rotary(x[None], plan.positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]           # [T, 1, D]
-        half, T = D // 2, ids.shape[0]
+        sin = torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], dim=-1)  # rotate_half(x) * sin = roll(x) * this
+        T = ids.shape[0]
         slots = cache.slots(plan.seats, plan.positions)  # flat cache rows of this step's tokens
         for i, (ln1, wqkv, bqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
-            qkv = F.linear(h, wqkv, bqkv)
+            qkv = h @ wqkv if bqkv is None else torch.addmm(bqkv, h, wqkv)
             qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)  # rotary on q and k together
-            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            qk = qk.roll(D // 2, dims=-1).mul_(sin).addcmul_(qk, cos)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
             cache.write(i, slots, k, v)
-            attn = self._attend(i, q, plan, cache)
-            x = torch.addmm(x, attn.view(T, H * D), wo.t())
-            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps)
-            gate, up = F.linear(h, wgu).chunk(2, dim=-1)
-            x = torch.addmm(x, self.act(gate) * up, wd.t())
+            attn = self._attend(i, q, k, v, plan, cache)
+            x = torch.addmm(x, attn.view(T, H * D), wo)
+            if T <= ROW_BLOCK:
+                x = self._mlp(x, ln2, wgu, wd)
+            else:
+                x = torch.cat([self._mlp(xb, ln2, wgu, wd) for xb in x.split(ROW_BLOCK)])
         x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.eps)
-        return F.linear(x, self.lm_head).float()
+        return (x @ self.lm_head).float()
 
-    def _attend(self, layer: int, q: torch.Tensor, plan: AttentionPlan, cache) -> torch.Tensor:
-        H, D = self.num_heads, self.head_dim
+    def _mlp(self, x, ln, wgu, wd):
+        """x + down(act(gate) * up) of rms_norm(x)."""
+        gate, up = (F.rms_norm(x, (x.shape[-1],), ln, self.eps) @ wgu).chunk(2, dim=-1)
+        return torch.addmm(x, self.act(gate) * up, wd)
+
+    def _attend(self, layer: int, q, k, v, plan: AttentionPlan, cache) -> torch.Tensor:
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if plan.pre_dense:  # equal whole prompts: no padding, no gather
+            P, Q, _ = plan.pre_shape
+            grid = [t.view(P, Q, -1, D).transpose(1, 2) for t in (q, k, v)]
+            o = F.scaled_dot_product_attention(*grid, is_causal=True, scale=self.scale, enable_gqa=True)
+            return o.transpose(1, 2).reshape(q.shape)
         S, L = plan.dec_num_seats, plan.dec_len
         if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
             return self._decode(layer, q.contiguous(), S, L, plan.dec_bias, cache).view(q.shape)
@@ -112,7 +127,7 @@ class FlatModel:
             qp[plan.pre_slot] = q[plan.pre_tok]
             k, v = cache.gather(layer, plan.pre_seats, L)
             o = F.scaled_dot_product_attention(qp.view(P, Q, H, D).transpose(1, 2), k, v, attn_mask=plan.pre_mask,
-                                               scale=self.scale, enable_gqa=True)
+                                               is_causal=plan.pre_mask is None, scale=self.scale, enable_gqa=True)
             out[plan.pre_tok] = o.transpose(1, 2).reshape(P * Q, H, D)[plan.pre_slot]
         return out
 

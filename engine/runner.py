@@ -49,7 +49,7 @@ class ModelRunner:
             if c.sample:
                 logit_rows.append(t0 + n - 1)
         dec = self._decode_part(dec_tok, dec_seats, dec_lens, len(ids))
-        pre = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax)
+        pre = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax, len(ids))
         attn = AttentionPlan(self._tensor(seats), self._tensor(positions), *dec, *pre)
         return self._tensor(ids), attn, self._tensor(logit_rows)
 
@@ -65,17 +65,20 @@ class ModelRunner:
         bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, float("-inf"))
         return self._tensor(tok), self._tensor(seats), num_seats, length, bias[:, None, None, :], dense
 
-    def _prefill_part(self, tok, slot, seats, spans, qmax):
+    def _prefill_part(self, tok, slot, seats, spans, qmax, num_tokens):
         if not tok:
-            return None, None, None, (0, 0, 0), None
+            return None, None, None, (0, 0, 0), None, False
         length = max(s + n for s, n in spans)
+        shape = (len(seats), qmax, length)
+        if all(s == 0 for s, _ in spans):  # whole prompts: causal from position 0; padded rows are discarded
+            dense = len(tok) == num_tokens and all(n == qmax for _, n in spans)
+            return self._tensor(tok), self._tensor(slot), self._tensor(seats), shape, None, dense
         starts = self._tensor([s for s, _ in spans])[:, None, None]
         counts = self._tensor([n for _, n in spans])[:, None, None]
         qi = torch.arange(qmax, device=self.device)[None, :, None]
         kj = torch.arange(length, device=self.device)[None, None, :]
         mask = (kj <= starts + qi) | (qi >= counts)  # causal by absolute position; padded query rows see all
-        return (self._tensor(tok), self._tensor(slot), self._tensor(seats), (len(seats), qmax, length),
-                mask[:, None])
+        return self._tensor(tok), self._tensor(slot), self._tensor(seats), shape, mask[:, None], False
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
