@@ -47,6 +47,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def wake_time(self) -> float | None:
+        """When an idle scheduler would launch on its own (a batching deadline), on the engine clock."""
+        return self.scheduler.wake_time(self.now())
+
     def step(self) -> list[StepEvent]:
         """One iteration; returns an event per new token (and per finish). Empty when nothing could run."""
         start = self.now()
@@ -61,10 +65,15 @@ class LLMEngine:
         for e in events:
             if e.finish_reason:
                 self.runner.sampler.forget(e.rid)
-        live = sum(1 for c in plan.chunks if not c.zombie)
+        rows = [c for c in plan.chunks if c.sample]
         self.steps.append({"start": start, "duration": end - start, "kind": plan.kind,
-                           "num_tokens": plan.total_tokens, "num_prompt_tokens": sum(len(c.tokens) for c in plan.chunks if c.prompt),
-                           "live_rows": live, "computed_rows": len(plan.chunks), "num_new": len(plan.new_ids)})
+                           "num_tokens": plan.total_tokens,
+                           "num_prompt_tokens": sum(len(c.tokens) for c in plan.chunks if c.prompt),
+                           "num_decode_rows": sum(1 for c in plan.chunks if not c.prompt),
+                           "kv_tokens": sum(c.start + len(c.tokens) for c in plan.chunks),  # keys attended
+                           "useful_rows": sum(1 for c in rows if not c.zombie),  # rows whose token is kept
+                           "computed_rows": len(rows),                           # rows that made a token
+                           "num_new": len(plan.new_ids)})
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -21,3 +21,8 @@ def load(argv: list[str] | None = None) -> DictConfig:
     if not argv and PARAMS.exists():
         return OmegaConf.load(PARAMS)
     return compose_config(argv)
+
+
+if __name__ == "__main__":  # python -m pipeline.config [overrides]: write params.yaml as DVC's Hydra integration does
+    OmegaConf.save(compose_config(sys.argv[1:]), PARAMS)
+    print(f"wrote {PARAMS}")

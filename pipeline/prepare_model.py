@@ -6,7 +6,8 @@ from pathlib import Path
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pipeline.config import load
+from pipeline.config import ROOT, load
+from pipeline.io import write_json
 
 
 def gguf_path(package: str, filename: str) -> Path:
@@ -17,11 +18,11 @@ def gguf_path(package: str, filename: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / filename
 
 
-def prepare(model_cfg) -> Path:
-    out = Path(model_cfg.path)
+def prepare(model_cfg) -> Path | None:
     if model_cfg.source != "gguf":
         print(f"model {model_cfg.name}: source {model_cfg.source}, nothing to prepare")
-        return out
+        return None
+    out = Path(model_cfg.path)
     src = gguf_path(model_cfg.package, model_cfg.gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
@@ -41,4 +42,7 @@ def prepare(model_cfg) -> Path:
 
 
 if __name__ == "__main__":
-    prepare(load().model)
+    cfg = load()
+    path = prepare(cfg.model)
+    write_json(ROOT / "data" / "models" / "prepared.json", {"model": cfg.model.name, "source": cfg.model.source,
+                                                             "path": str(path) if path else None})

@@ -40,10 +40,3 @@ def smollm2():
     torch.set_num_threads(2)
     return load_model(cfg)
 
-
-def hf_reference(model, prompt: list[int], n: int) -> list[int]:
-    """Hugging Face generate on one request alone: greedy, exactly n new tokens."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()

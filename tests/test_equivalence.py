@@ -2,35 +2,15 @@
 import random
 
 import pytest
-import torch
 
 from engine.runner import ModelRunner
-from pipeline.prompts import CHAT, chat_ids
-from tests.conftest import hf_reference
-from tests.scenario import run_scenario
-
-POLICIES = [
-    {"name": "naive", "max_seats": 3},
-    {"name": "static", "max_seats": 3, "max_batch": 3},
-    {"name": "dynamic", "max_seats": 3, "max_batch": 3, "max_wait_ms": 1500},
-    {"name": "bucketed", "max_seats": 3, "max_batch": 3, "max_wait_ms": 1500},
-    {"name": "continuous", "max_seats": 3},
-    {"name": "mixed", "max_seats": 3},
-    {"name": "chunked", "max_seats": 3, "token_budget": 16},
-]
-ARRIVE = {0: [0, 1], 3: [2], 4: [3, 4], 20: [5]}   # seed 000's scenario: six requests, three seats
-LENS = [12, 30, 5, 40, 30, 12]
-
-
-def seed_prompts(vocab: int):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (9, 23, 4, 31, 17, 40)]
+from pipeline.equivalence import ARRIVE, LENS, POLICIES, hf_reference, run_scenario, scenario_prompts
 
 
 @pytest.fixture(scope="module")
 def references(tiny):
     name, model = tiny
-    prompts = seed_prompts(model.config.vocab_size)
+    prompts = scenario_prompts(model, None)
     return name, model, prompts, [hf_reference(model, p, n) for p, n in zip(prompts, LENS)]
 
 
@@ -84,7 +64,7 @@ def test_wrong_position_ids_are_caught(references):
 def test_real_model_seed_scenario(smollm2, policy):
     """Seed 000's test_engine.py on SmolLM2-135M-Instruct: its six chat prompts, three seats."""
     model, tok = smollm2
-    prompts = [chat_ids(tok, CHAT[i]) for i in range(6)]
+    prompts = scenario_prompts(model, tok)
     key = "_smollm2_ref"
     if not hasattr(test_real_model_seed_scenario, key):
         setattr(test_real_model_seed_scenario, key, [hf_reference(model, p, n) for p, n in zip(prompts, LENS)])

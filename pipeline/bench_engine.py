@@ -1,0 +1,80 @@
+"""Stage bench_engine: replay each run of a table through the engine on the real model, wall clock.
+
+Writes data/results/engine/<table>.parquet (per-request records), <table>_steps.parquet (per-step records) and
+<table>.json (one summary row per run, with its config and environment).
+"""
+import sys
+
+import pandas as pd
+import torch
+from omegaconf import OmegaConf
+
+from engine import LLMEngine
+from engine.loader import eos_ids, load_model
+from pipeline.config import ROOT, load
+from pipeline.env import environment
+from pipeline.io import write_json, write_parquet
+from pipeline.metrics import summarize
+from pipeline.points import runs
+from pipeline.replay import calibrate_step, replay
+from pipeline.workloads import predicted_static_efficiency
+
+OUT = ROOT / "data" / "results" / "engine"
+
+
+def slo_limits(slo, step_s: float) -> tuple[float, float]:
+    """(TTFT, TPOT) limits in seconds: absolute, or multiples of the measured full-batch decode step."""
+    if "ttft_s" in slo:
+        return float(slo.ttft_s), float(slo.tpot_s)
+    return float(slo.ttft_steps) * step_s, float(slo.tpot_steps) * step_s
+
+
+def run_table(model, base, table: str) -> list[dict]:
+    workloads = pd.read_parquet(ROOT / "data" / "workloads" / f"{table}.parquet")
+    eos = eos_ids(model)
+    steps_cache: dict[int, float] = {}
+    reqs, steps, rows = [], [], []
+    for name, cfg in runs(base, table):
+        wl = workloads[workloads["point"] == name]
+        ref = int(cfg.load.get("ref_seats", cfg.policy.max_seats))
+        if ref not in steps_cache:
+            steps_cache[ref] = calibrate_step(model, ref, int(cfg.capacity), int(wl["prompt_tokens"].median()), eos=eos)
+        step_s = steps_cache[ref]
+        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.capacity), eos, seed=int(cfg.seed))
+        conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
+        req, st, wall = replay(engine, wl, step_s, conc)
+        ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
+        row = {"table": table, "point": name, "policy": cfg.policy.name, "workload": cfg.workload.name,
+               "load": cfg.load.name, "load_multiple": float(cfg.load.get("multiple", float("nan"))),
+               "sigma": float(cfg.workload.output.sigma),
+               "length_cv": float(wl["output_tokens"].std(ddof=0) / wl["output_tokens"].mean()), "step_s": step_s, "ttft_limit_s": ttft_lim,
+               "tpot_limit_s": tpot_lim, **summarize(req, st, ttft_lim, tpot_lim)}
+        if cfg.policy.name in ("static", "dynamic", "bucketed"):
+            row["batch_sizes"] = list(engine.scheduler.batch_sizes)
+            row["predicted_static_efficiency"] = predicted_static_efficiency(
+                wl.sort_values("arrival_steps")["output_tokens"], int(cfg.policy.max_batch))
+        for knob in ("max_wait_ms", "token_budget", "max_batch", "max_seats"):
+            if knob in cfg.policy:
+                row[knob] = float(cfg.policy[knob])
+        rows.append(row)
+        reqs.append(req.assign(point=name))
+        steps.append(st.assign(point=name))
+        print(f"{table} | {name}: {row['throughput_tps']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
+              f"{row['complete']}/{row['requests']} complete", flush=True)
+    meta = {"config": OmegaConf.to_container(base), "environment": environment(base.precision.device)}
+    write_parquet(OUT / f"{table}.parquet", pd.concat(reqs, ignore_index=True), meta)
+    write_parquet(OUT / f"{table}_steps.parquet", pd.concat(steps, ignore_index=True), meta)
+    write_json(OUT / f"{table}.json", {"rows": rows, **meta})
+    return rows
+
+
+def main(cfg, tables: list[str]):
+    torch.set_num_threads(int(cfg.threads))
+    model, _ = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    for table in tables:
+        run_table(model, cfg, table)
+
+
+if __name__ == "__main__":
+    cfg = load([])
+    main(cfg, sys.argv[1:] or list(cfg.tables))

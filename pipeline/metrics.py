@@ -1,0 +1,61 @@
+"""Every summary figure, defined once. Engine replays and server runs both reach here with the same records.
+
+Per-request records: arrival, first_token, finish (s), token_times (s, one per output token), num_tokens, complete.
+Per-step records: duration (s), useful_rows, computed_rows, kind.
+
+- TTFT  = first token time - arrival.
+- TPOT  = (last token time - first token time) / (tokens - 1): the first token excluded, as in vLLM.
+- ITL   = every gap between consecutive tokens of one request, pooled over requests.
+- max gap = the largest ITL of a request (a prefill stall shows up here).
+- throughput = output tokens of all requests / wall time (first arrival to last token).
+- goodput = output tokens of requests that met both the TTFT and the TPOT limit / wall time (DistServe).
+- slot efficiency = useful rows / computed rows (a zombie row is computed, not useful).
+- live rows = useful rows per step, averaged over steps.
+"""
+import numpy as np
+import pandas as pd
+
+
+def pct(values, q: float) -> float:
+    """The q-th percentile (0-100), NaN when there are no values."""
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def per_request(req: pd.DataFrame) -> pd.DataFrame:
+    """Adds ttft, tpot (s) and max_gap (s) columns."""
+    df = req.copy()
+    df["ttft"] = df["first_token"] - df["arrival"]
+    df["tpot"] = [(t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else np.nan for t in df["token_times"]]
+    df["max_gap"] = [float(np.max(np.diff(t))) if len(t) > 1 else np.nan for t in df["token_times"]]
+    return df
+
+
+def summarize(req: pd.DataFrame, steps: pd.DataFrame | None = None, ttft_limit: float = float("inf"),
+              tpot_limit: float = float("inf")) -> dict:
+    """The summary row of one run."""
+    df = per_request(req)
+    done = df[df["num_tokens"] > 0]
+    itl = np.concatenate([np.diff(t) for t in done["token_times"] if len(t) > 1] or [np.array([])])
+    start = df["arrival"].min()
+    end = max(t[-1] for t in done["token_times"]) if len(done) else start
+    wall = float(end - start) if len(done) else float("nan")
+    tokens = int(df["num_tokens"].sum())
+    good = df["complete"] & (df["ttft"] <= ttft_limit) & (df["tpot"].fillna(0.0) <= tpot_limit)
+    out = {
+        "requests": int(len(df)), "complete": int(df["complete"].sum()), "tokens": tokens, "wall_s": wall,
+        "throughput_tps": tokens / wall if wall and wall > 0 else float("nan"),
+        "goodput_tps": int(df.loc[good, "num_tokens"].sum()) / wall if wall and wall > 0 else float("nan"),
+        "slo_met": float(good.mean()) if len(df) else float("nan"),
+        "ttft_p50_s": pct(done["ttft"], 50), "ttft_p99_s": pct(done["ttft"], 99),
+        "tpot_p50_s": pct(done["tpot"].dropna(), 50), "tpot_p99_s": pct(done["tpot"].dropna(), 99),
+        "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99), "itl_max_s": float(itl.max()) if len(itl) else float("nan"),
+        "max_gap_p99_s": pct(done["max_gap"].dropna(), 99),
+    }
+    for name, part in (("long", done[done["is_long"]]), ("short", done[~done["is_long"]])) if "is_long" in done else ():
+        out[f"ttft_{name}_p50_s"] = pct(part["ttft"], 50)
+    if steps is not None and len(steps):
+        out["slot_efficiency"] = float(steps["useful_rows"].sum() / max(steps["computed_rows"].sum(), 1))
+        out["live_rows"] = float(steps["useful_rows"].mean())
+        out["max_step_s"] = float(steps["duration"].max())
+        out["steps"] = int(len(steps))
+    return out

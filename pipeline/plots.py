@@ -1,0 +1,84 @@
+"""Stage plots: throughput against TTFT p99 (seed 000's chart) and the seed tables' pictures, as PNG plus CSV for DVC."""
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from pipeline.config import ROOT, load  # noqa: E402
+from pipeline.io import write_text  # noqa: E402
+
+RESULTS = ROOT / "data" / "results"
+PLOTS = ROOT / "reports" / "plots"
+
+
+def load_rows(kind: str) -> pd.DataFrame:
+    """Summary rows of every results JSON of a kind ("engine" or "server")."""
+    rows = [r for p in sorted((RESULTS / kind).glob("*.json")) for r in json.loads(p.read_text())["rows"]]
+    return pd.DataFrame(rows)
+
+
+def throughput_vs_ttft(points: pd.DataFrame, slo_s: float, title: str, path):
+    """One line per series; x TTFT p99 (log), y throughput; points labelled; * where fewer than 100 samples."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for series, g in points.groupby("series", sort=False):
+        g = g.sort_values("ttft_p99_s")
+        ax.plot(g["ttft_p99_s"], g["throughput_tps"], marker="o", label=series)
+        for r in g.itertuples():
+            ax.annotate(f"{r.label}{'' if r.samples >= 100 else '*'}", (r.ttft_p99_s, r.throughput_tps),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.axvline(slo_s, linestyle="--", linewidth=1, color="grey")
+    ax.text(slo_s * 1.05, ax.get_ylim()[1] * 0.95, f"SLO: TTFT p99 {slo_s:g} s", fontsize=8)
+    ax.set_xlabel("TTFT p99 (s, log scale)   * = fewer than 100 samples")
+    ax.set_ylabel("throughput, all users (tok/s)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    write_text(path.with_suffix(".csv"), points.to_csv(index=False))
+
+
+def engine_points(rows: pd.DataFrame) -> pd.DataFrame:
+    """Engine runs as chart points: each policy (with its knob) a series, each load a point."""
+    t = rows[rows["table"].isin(["dynamic_timeouts", "all_policies"])].copy()
+    t["series"] = t["policy"] + t["max_wait_ms"].map(lambda w: "" if pd.isna(w) else f" wait {w:g} ms") \
+        if "max_wait_ms" in t else t["policy"]
+    t["label"] = t["load_multiple"].map(lambda m: f"{m:g}x")
+    t["samples"] = t["complete"]
+    return t[["series", "label", "ttft_p99_s", "throughput_tps", "samples"]]
+
+
+def main(cfg):
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    engine = load_rows("engine")
+    slo = float(cfg.slo.get("ttft_s", engine["ttft_limit_s"].iloc[0] if len(engine) else 1.0))
+    if len(engine):
+        throughput_vs_ttft(engine_points(engine), slo, "Engine replay: policies and loads (measured)",
+                           PLOTS / "engine_throughput_vs_ttft.png")
+    server = load_rows("server")
+    if len(server):
+        pts = server.assign(series=server["backend"], label=server["concurrency"].map(lambda c: f"c={c}"),
+                            samples=server["complete"])
+        throughput_vs_ttft(pts[["series", "label", "ttft_p99_s", "throughput_tps", "samples"]], slo,
+                           "Servers under closed-loop load (measured)", PLOTS / "throughput_vs_ttft.png")
+    stall = engine[engine["table"] == "prefill_stall"] if len(engine) else engine
+    if len(stall):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        names = [p if p != "chunked" else f"chunked {int(b)}" for p, b in zip(stall["policy"], stall.get("token_budget", [0] * len(stall)))]
+        ax.bar(names, stall["itl_p99_s"] * 1e3, label="ITL p99")
+        ax.plot(names, stall["itl_max_s"] * 1e3, "k^", label="ITL max")
+        ax.set_ylabel("ms")
+        ax.set_title("Prefill stalls decode: inter-token latency (measured)", fontsize=10)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(PLOTS / "prefill_stall.png", dpi=120)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(load())

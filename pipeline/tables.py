@@ -1,0 +1,94 @@
+"""The seeds' tables, rendered from results, each figure labelled measured or computed; and their metric keys.
+
+Each function takes summary rows (dicts from data/results/engine/<table>.json) and returns (markdown, metrics)
+where metrics are flat `<table>.<run>.<metric>` keys for reports/metrics.json.
+"""
+import math
+
+
+def fmt(v, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def run_key(row: dict) -> str:
+    """A short, stable name for one run: policy, its knob, and what the table sweeps."""
+    key = row["policy"]
+    if row["policy"] == "chunked" and "token_budget" in row:
+        key += f"-{int(row['token_budget'])}"
+    if row["policy"] == "dynamic" and "max_wait_ms" in row and row["table"] == "dynamic_timeouts":
+        key += f"-{int(row['max_wait_ms'])}ms"
+    if row["table"] == "dynamic_timeouts":
+        key = f"load{row['load_multiple']:g}.{key}"
+    if row["table"] == "static_efficiency":
+        key = f"sigma{row['sigma']:g}"
+    return key
+
+
+def markdown(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def metrics_of(rows: list[dict], names: list[str]) -> dict:
+    return {f"{r['table']}.{run_key(r)}.{m}": round(float(r[m]), 4) for r in rows for m in names
+            if m in r and r[m] is not None and not (isinstance(r[m], float) and math.isnan(r[m]))}
+
+
+def static_efficiency(rows):
+    body = [[fmt(r["sigma"], 1), fmt(r["length_cv"]), fmt(r["predicted_static_efficiency"]), fmt(r["slot_efficiency"]),
+             fmt(abs(r["slot_efficiency"] - r["predicted_static_efficiency"]), 4), fmt(r["live_rows"], 1),
+             fmt(r["throughput_tps"], 1)] for r in rows]
+    md = markdown(["output-length sigma", "length CV (computed)", "slot efficiency, expected (computed)",
+                   "slot efficiency (measured)", "difference", "live rows per step (measured)",
+                   "throughput, tok/s (measured)"], body)
+    return md, metrics_of(rows, ["slot_efficiency", "predicted_static_efficiency", "throughput_tps", "live_rows"])
+
+
+def dynamic_timeouts(rows):
+    body = [[fmt(r["load_multiple"]), r["policy"] + (f", wait {r['max_wait_ms'] / 1000:g} s" if r["policy"] == "dynamic" else ""),
+             fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]), fmt(r["throughput_tps"], 1), fmt(r["slot_efficiency"]),
+             fmt(r["live_rows"], 1), fmt(sum(r["batch_sizes"]) / max(len(r["batch_sizes"]), 1), 1),
+             f"{r['complete']}/{r['requests']}"] for r in rows]
+    md = markdown(["load (x capacity)", "policy", "TTFT p50, s", "TTFT p99, s", "throughput, tok/s",
+                   "slot efficiency", "live rows per step", "mean batch launched", "complete"], body)
+    return md + "\n\nAll measured.", metrics_of(rows, ["ttft_p50_s", "ttft_p99_s", "throughput_tps", "slot_efficiency"])
+
+
+def all_policies(rows):
+    body = [[r["policy"] + (" (oracle)" if r["policy"] == "bucketed" else ""), fmt(r["throughput_tps"], 1),
+             fmt(r["goodput_tps"], 1), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]), fmt(r["tpot_p50_s"] * 1e3, 0),
+             fmt(r["itl_p99_s"] * 1e3, 0), fmt(r["slot_efficiency"])] for r in rows]
+    md = markdown(["policy", "throughput, tok/s", "goodput, tok/s", "TTFT p50, s", "TTFT p99, s", "TPOT p50, ms",
+                   "ITL p99, ms", "slot efficiency"], body)
+    return md + "\n\nAll measured.", metrics_of(
+        rows, ["throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s", "slot_efficiency"])
+
+
+def prefill_stall(rows):
+    name = {"continuous": "prefill-first", "mixed": "mixed"}
+    body = [[name.get(r["policy"], f"chunked, budget {int(r.get('token_budget', 0))}"), fmt(r.get("ttft_long_p50_s")),
+             fmt(r.get("ttft_short_p50_s")), fmt(r["itl_p50_s"] * 1e3, 0), fmt(r["itl_p99_s"] * 1e3, 0),
+             fmt(r["itl_max_s"] * 1e3, 0), fmt(r["max_step_s"] * 1e3, 0), fmt(r["throughput_tps"], 1)] for r in rows]
+    md = markdown(["policy", "long-prompt TTFT p50, s", "short-prompt TTFT p50, s", "ITL p50, ms", "ITL p99, ms",
+                   "ITL max, ms", "max step, ms", "throughput, tok/s"], body)
+    return md + "\n\nAll measured.", metrics_of(
+        rows, ["ttft_long_p50_s", "ttft_short_p50_s", "itl_p50_s", "itl_p99_s", "itl_max_s", "max_step_s",
+               "throughput_tps"])
+
+
+def cache(result: dict):
+    rows = result["rows"]
+    body = [[r["context"], fmt(r["cat_append_ms"]), fmt(r["slot_append_ms"]), fmt(r["cat_copied_mb"], 0),
+             fmt(r["cat_decode_ms"], 1), fmt(r["slot_decode_ms"], 1)] for r in rows]
+    md = markdown(["context", "append via cat, ms", "append in place, ms", "cat copies, MB (computed)",
+                   "decode step, cat engine, ms", "decode step, slot engine, ms"], body)
+    metrics = {f"cache.ctx{r['context']}.{k}": round(r[k], 3) for r in rows
+               for k in ("cat_append_ms", "slot_append_ms", "cat_decode_ms", "slot_decode_ms")}
+    return md + f"\n\nBatch {result['batch']}; all measured except the copied bytes.", metrics
+
+
+TABLES = {"static_efficiency": static_efficiency, "dynamic_timeouts": dynamic_timeouts,
+          "prefill_stall": prefill_stall, "all_policies": all_policies, "main": all_policies}

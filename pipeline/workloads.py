@@ -1,0 +1,62 @@
+"""Workloads as data: prompts, output lengths and arrival times generated ahead from a seeded RNG.
+
+Arrivals are in units of the full-batch decode step (`arrival_steps`); a replay turns them into seconds with the
+step time it measures, so `load.multiple` means the same fraction of capacity on any machine.
+Capacity: `load.ref_seats` rows per step, so a request of mean output length frees a seat every mean/ref_seats steps.
+"""
+import math
+
+import numpy as np
+import pandas as pd
+
+from pipeline.prompts import long_prompts, short_prompts
+
+
+def output_lengths(rng, n: int, mean: float, sigma: float, max_len: int) -> np.ndarray:
+    """Lognormal lengths with the given mean and sigma of log-length, rounded and clipped to [1, max_len]."""
+    mu = math.log(mean) - sigma ** 2 / 2
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_len).astype(int)
+
+
+def arrival_steps(rng, n: int, load, mean_output: float) -> np.ndarray:
+    """Arrival times in full-batch decode steps; closed loop gives zeros (the replay paces it)."""
+    if load.process in ("all_at_once", "closed"):
+        return np.zeros(n)
+    rate = load.multiple * load.get("ref_seats", 8) / mean_output   # requests per step
+    if load.process == "poisson":
+        gaps = rng.exponential(1.0 / rate, n)
+    elif load.process == "gamma":
+        shape = 1.0 / load.cv ** 2
+        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
+    else:
+        raise ValueError(f"load.process {load.process!r}: choose all_at_once, poisson, gamma or closed")
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def build(cfg, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:
+    """One row per request: rid, is_long, prompt (token ids), output_tokens, arrival_steps."""
+    w, prof = cfg.workload, cfg.profile
+    rng = np.random.default_rng(int(cfg.seed))
+    n = int(w.num_requests * prof.requests_scale)
+    out = output_lengths(rng, n, w.output.mean * prof.output_scale, float(w.output.sigma),
+                         int(w.output.max * prof.output_scale))
+    is_long = rng.random(n) < float(w.long_fraction)
+    arrivals = arrival_steps(rng, n, cfg.load, float(out.mean()))
+    short = short_prompts(n, tokenizer, vocab_size, int(cfg.seed))
+    order = rng.permutation(n)
+    long_ = long_prompts(int(is_long.sum()), int(w.long_tokens * prof.long_scale), tokenizer, vocab_size,
+                         int(cfg.seed)) if is_long.any() else []
+    it = iter(long_)
+    prompts = [next(it) if is_long[i] else short[order[i]] for i in range(n)]
+    return pd.DataFrame({"rid": [f"r{i:04d}" for i in range(n)], "is_long": is_long, "prompt": prompts,
+                         "prompt_tokens": [len(p) for p in prompts], "output_tokens": out,
+                         "arrival_steps": arrivals})
+
+
+def predicted_static_efficiency(lengths, batch: int) -> float:
+    """Static slot efficiency from the workload alone: mean length / mean of per-batch maxima (in arrival order)."""
+    lengths = list(lengths)
+    maxima = [max(lengths[i:i + batch]) for i in range(0, len(lengths), batch)]
+    sizes = [len(lengths[i:i + batch]) for i in range(0, len(lengths), batch)]
+    return sum(lengths) / sum(m * s for m, s in zip(maxima, sizes))

@@ -1,0 +1,39 @@
+"""Config composes for every option of every group; a bad option fails at composition and lists the valid ones."""
+from pathlib import Path
+
+import pytest
+from hydra.errors import MissingConfigException
+from omegaconf import OmegaConf
+
+from pipeline.config import PARAMS, compose_config
+from pipeline.points import point_overrides, runs
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = [d.name for d in CONF.iterdir() if d.is_dir() and d.name != "experiment"]
+
+
+@pytest.mark.parametrize("group, option", [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))])
+def test_every_option_composes(group, option):
+    cfg = compose_config([f"{group}={option}"])
+    assert cfg[group].name == option if "name" in cfg[group] else cfg[group]
+
+
+@pytest.mark.parametrize("experiment", [f.stem for f in sorted((CONF / "experiment").glob("*.yaml"))])
+def test_every_experiment_and_its_runs_compose(experiment):
+    base = compose_config([])
+    table = compose_config([f"+experiment={experiment}"]).table
+    assert table.name == experiment
+    composed = runs(base, experiment)
+    assert len(composed) == len(point_overrides(table)) >= 1
+    for _, cfg in composed:
+        assert cfg.policy.name and cfg.workload.name and cfg.load.process
+
+
+def test_bad_option_lists_the_valid_ones():
+    with pytest.raises(MissingConfigException) as err:
+        compose_config(["policy=fastest"])
+    assert "Available options" in str(err.value) and "chunked" in str(err.value)
+
+
+def test_params_yaml_is_the_composed_default():
+    assert OmegaConf.to_container(OmegaConf.load(PARAMS)) == OmegaConf.to_container(compose_config([]))

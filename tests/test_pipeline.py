@@ -1,0 +1,49 @@
+"""The whole pipeline on a tiny model in a temporary copy of the repository: dvc repro, a no-op second
+repro, and a DVC experiment whose metrics diff shows the changed figures."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORTS = ["REPORT.md", "HARDWARE.md", "metrics.json", "engine_speed.json", "equivalence.json", "hardware.json",
+           "plots/engine_throughput_vs_ttft.png", "plots/prefill_stall.png"]
+
+
+def sh(cmd: str, cwd: Path, env: dict) -> str:
+    out = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_dvc_repro_on_a_tiny_model(tmp_path):
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    repo = tmp_path / "lab"
+    for f in files:
+        if (ROOT / f).is_file() and not f.startswith(("reports/", "dvc.lock")):
+            (repo / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, repo / f)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
+           "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
+    sh("git init -q && python -m pipeline.config model=tiny-llama && git add -A && git commit -qm start", repo, env)
+    t = time.perf_counter()
+    sh("dvc repro", repo, env)
+    first = time.perf_counter() - t
+    for name in REPORTS:
+        assert (repo / "reports" / name).exists(), name
+    metrics = json.loads((repo / "reports" / "metrics.json").read_text())
+    assert metrics["equivalence.continuous"] == 1.0 and "all_policies.continuous.throughput_tps" in metrics
+    assert "up to date" in sh("dvc repro", repo, env)
+    sh("git add -A && git commit -qm results", repo, env)
+    sh("dvc exp run -S model=tiny-llama -S policy.max_seats=2", repo, env)
+    diff = sh("dvc metrics diff", repo, env)
+    assert "main.continuous.ttft_p99_s" in diff
+    assert first < 180, f"dvc repro took {first:.0f} s"
