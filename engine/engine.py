@@ -26,6 +26,13 @@ class LLMEngine:
         """Validate and queue; raises RequestError naming the field and the limit, admitting nothing."""
         if rid in self.scheduler.requests:
             raise RequestError("request_id", f"{rid!r} is already in the engine")
+        self.validate(prompt, params)
+        req = Request(rid, list(prompt), params, self.now() if arrival is None else arrival)
+        self.scheduler.add(req)
+        return req
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the engine would refuse this request; reads only fixed limits (thread-safe)."""
         if not isinstance(prompt, list) or not prompt:
             raise RequestError("prompt", "must be a non-empty list of token ids")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
@@ -35,9 +42,6 @@ class LLMEngine:
             raise RequestError("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                f"({params.max_new_tokens}) = {len(prompt) + params.max_new_tokens} exceeds "
                                f"the seat capacity of {self.capacity} tokens")
-        req = Request(rid, list(prompt), params, self.now() if arrival is None else arrival)
-        self.scheduler.add(req)
-        return req
 
     def abort(self, rid: str) -> StepEvent | None:
         event = self.scheduler.abort(rid, self.now())
@@ -67,7 +71,7 @@ class LLMEngine:
                 self.runner.sampler.forget(e.rid)
         rows = [c for c in plan.chunks if c.sample]
         self.steps.append({"start": start, "duration": end - start, "kind": plan.kind,
-                           "num_tokens": plan.total_tokens,
+                           "num_tokens": plan.total_tokens, "num_pad_tokens": plan.num_pad_tokens,
                            "num_prompt_tokens": sum(len(c.tokens) for c in plan.chunks if c.prompt),
                            "num_decode_rows": sum(1 for c in plan.chunks if not c.prompt),
                            "kv_tokens": sum(c.start + len(c.tokens) for c in plan.chunks),  # keys attended

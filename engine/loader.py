@@ -33,7 +33,8 @@ def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
     torch_dtype = DTYPES[dtype]
     if model_cfg.source == "random":
         config = {k: v for k, v in dict(model_cfg.config).items()}
-        return random_model(config, int(model_cfg.seed), torch_dtype).to(device), None
+        tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer) if model_cfg.get("tokenizer") else None
+        return random_model(config, int(model_cfg.seed), torch_dtype).to(device), tok
     path = Path(model_cfg.path)
     if model_cfg.source == "gguf" and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` (or python -m pipeline.prepare_model)")

@@ -6,7 +6,9 @@ Request-level (a batch runs until its longest member ends; finished rows stay as
 import math
 
 from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+
+PAD = "<pad>"  # rid of the padding chunk: no request owns it, so update() skips it
 
 
 class Continuous(Scheduler):
@@ -79,10 +81,10 @@ class Dynamic(Scheduler):
 
     def __init__(self, num_seats: int, capacity: int, eos_ids=(), max_batch: int = 8,
                  max_wait_ms: float = 50.0, pad_prompts: bool = False):
-        super().__init__(min(num_seats, max_batch), capacity, eos_ids)
         self.max_batch = min(num_seats, max_batch)
+        super().__init__(self.max_batch + int(pad_prompts), capacity, eos_ids)
         self.max_wait = max_wait_ms / 1000.0  # s; inf = pure static
-        self.pad_prompts = pad_prompts
+        self.pad_seat = self.seats.allocate() if pad_prompts else None  # scratch row where pad tokens are computed
         self.batch_sizes: list[int] = []      # launched batch sizes, in order
 
     def wake_time(self, now: float) -> float | None:
@@ -104,9 +106,13 @@ class Dynamic(Scheduler):
         for r in batch:
             self._admit(r, now)
         self.batch_sizes.append(len(batch))
+        chunks = [self._chunk(r, self.capacity) for r in batch]
         longest = max(len(r.prompt) for r in batch)
-        pads = sum(longest - len(r.prompt) for r in batch) if self.pad_prompts else 0
-        return self._output([self._chunk(r, self.capacity) for r in batch], batch, pads)
+        pads = sum(longest - len(r.prompt) for r in batch) if self.pad_seat is not None else 0
+        for start in range(0, pads, self.capacity):  # left-padding's tax: real tokens through every layer, discarded
+            chunks.append(ScheduledChunk(PAD, self.pad_seat, 0, (0,) * min(self.capacity, pads - start),
+                                         sample=False, prompt=True))
+        return self._output(chunks, batch, pads)
 
 
 class Static(Dynamic):

@@ -27,12 +27,12 @@ class SchedulerOutput:
     new_ids: tuple[str, ...] = ()        # admitted this step
     finished_ids: tuple[str, ...] = ()   # finished since the last step (aborts included)
     preempted_ids: tuple[str, ...] = ()
-    num_pad_tokens: int = 0              # left-padding computed and discarded (padded batch policies)
+    num_pad_tokens: int = 0              # of which left-padding, computed and discarded (padded batch policies)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # rid -> tokens this step
 
     @property
     def total_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.chunks) + self.num_pad_tokens
+        return sum(len(c.tokens) for c in self.chunks)  # padding chunks included
 
     @property
     def kind(self) -> str:

@@ -72,3 +72,11 @@ def test_real_model_seed_scenario(smollm2, policy):
     out = run_scenario(model, policy, prompts, LENS, ARRIVE)
     for i in range(6):
         assert out[str(i)] == ref[i], (i, tok.decode(ref[i]), tok.decode(out[str(i)]))
+
+
+def test_left_padding_costs_tokens_not_correctness(references):
+    """pad_prompts: the batch's prompts padded to its longest, computed and discarded; the answers do not change."""
+    name, model, prompts, ref = references
+    policy = {"name": "static", "max_seats": 3, "max_batch": 3, "pad_prompts": True}
+    out = run_scenario(model, policy, prompts, LENS, ARRIVE)
+    assert all(out[str(i)] == ref[i] for i in range(6)), name

@@ -112,3 +112,12 @@ def test_abort_frees_the_seat_for_the_next_step():
 def test_unknown_policy_lists_the_choices():
     with pytest.raises(ValueError, match="chunked"):
         make_scheduler({"name": "fastest", "max_seats": 1}, capacity=8)
+
+
+def test_padded_static_batch_schedules_the_padding():
+    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2, "pad_prompts": True}, capacity=64)
+    s.add(req("a", 3))
+    s.add(req("b", 10))
+    plan = step(s, 0.0)
+    assert plan.num_pad_tokens == 7 and plan.total_tokens == 3 + 10 + 7
+    assert s.seats.num_free == 0 and s.requests["a"].seat != plan.chunks[-1].seat

@@ -1,0 +1,42 @@
+"""python -m servers [Hydra overrides], e.g. `python -m servers server=engine policy=continuous policy.max_seats=64
+port=8000`. Binds 127.0.0.1 unless told otherwise (host=0.0.0.0)."""
+import os
+import sys
+
+import torch
+import uvicorn
+from omegaconf import OmegaConf
+
+from engine import LLMEngine
+from engine.loader import eos_ids, load_model
+from pipeline.config import compose_config
+from servers.app import create_app
+from servers.worker import EngineWorker
+
+
+def build(cfg):
+    """The app for a composed config: the model, the engine with the configured policy, its worker thread."""
+    torch.set_num_threads(int(cfg.threads))
+    model, tokenizer = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    if tokenizer is None:
+        raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
+    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.server.capacity), eos_ids(model),
+                       seed=int(cfg.seed))
+    worker = EngineWorker(engine, int(cfg.server.max_waiting))
+    worker.start()
+    key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
+    return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens)), worker
+
+
+def main(argv: list[str]):
+    overrides = [f"server.{a}" if a.split("=")[0] in ("port", "host") else a for a in argv]
+    cfg = compose_config(overrides)
+    app, worker = build(cfg)
+    try:
+        uvicorn.run(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning")
+    finally:
+        worker.stop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
