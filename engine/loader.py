@@ -33,13 +33,19 @@ def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
     torch_dtype = DTYPES[dtype]
     if model_cfg.source == "random":
         config = {k: v for k, v in dict(model_cfg.config).items()}
-        tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer) if model_cfg.get("tokenizer") else None
-        return random_model(config, int(model_cfg.seed), torch_dtype).to(device), tok
+        return random_model(config, int(model_cfg.seed), torch_dtype).to(device), load_tokenizer(model_cfg)
     path = Path(model_cfg.path)
     if model_cfg.source == "gguf" and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` (or python -m pipeline.prepare_model)")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(str(path))
+    return model, load_tokenizer(model_cfg)
+
+
+def load_tokenizer(model_cfg):
+    """The tokenizer a conf/model entry names, or None (random-weight models without one)."""
+    if model_cfg.source == "random":
+        return AutoTokenizer.from_pretrained(model_cfg.tokenizer) if model_cfg.get("tokenizer") else None
+    return AutoTokenizer.from_pretrained(str(model_cfg.path))
 
 
 def eos_ids(model) -> list[int]:

@@ -3,7 +3,7 @@ import sys
 
 import pandas as pd
 
-from engine.loader import load_model
+from engine.loader import load_tokenizer
 from pipeline.config import ROOT, load
 from pipeline.io import write_parquet
 from pipeline.points import runs
@@ -13,11 +13,8 @@ OUT = ROOT / "data" / "workloads"
 
 
 def tokenizer_and_vocab(cfg):
-    if cfg.model.source == "random":
-        return None, int(cfg.model.config.vocab_size)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(ROOT / cfg.model.path) if cfg.model.source == "gguf" else cfg.model.path)
-    return tok, len(tok)
+    tok = load_tokenizer(cfg.model)
+    return tok, len(tok) if tok is not None else int(cfg.model.config.vocab_size)
 
 
 def main(cfg, tables: list[str]):

@@ -103,6 +103,12 @@ def main(cfg):
         parts.append(section("The cache has to change first (seed 003 §3)", "Growing `torch.cat` cache against the "
                              "slot cache.", body))
         metrics.update(m)
+    servers = read(RESULTS / "server" / "servers.json")
+    if servers:
+        metrics.update({f"server.{r['backend'].replace(', ', '-').replace(' ', '_')}.c{r['concurrency']}.{k}":
+                        round(r[k], 4) for r in servers["rows"]
+                        for k in ("throughput_tps", "ttft_p50_s", "ttft_p99_s", "max_gap_p99_s")
+                        if r.get(k) is not None and r[k] == r[k]})
     score = REPORTS / "SCOREBOARD.md"
     if score.exists():
         parts.append(section("Scoreboard", "Servers under closed-loop load (see SCOREBOARD.md).",

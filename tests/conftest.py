@@ -40,3 +40,15 @@ def smollm2():
     torch.set_num_threads(2)
     return load_model(cfg)
 
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir():
+    """The folder with SmolLM2's tokenizer, prepared from its GGUF package on first use."""
+    from pipeline.prepare_model import prepare
+
+    cfg = model_cfg("smollm2-135m")
+    cfg.path = str(ROOT / cfg.path)
+    if not (ROOT / "data/models/smollm2-135m/tokenizer.json").exists():
+        prepare(cfg)
+    return ROOT / "data/models/smollm2-135m"

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-REPORTS = ["REPORT.md", "HARDWARE.md", "metrics.json", "engine_speed.json", "equivalence.json", "hardware.json",
-           "plots/engine_throughput_vs_ttft.png", "plots/prefill_stall.png"]
+FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this long for nothing
+REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
+           "hardware.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
+           "plots/prefill_stall.png"]
 
 
 def sh(cmd: str, cwd: Path, env: dict) -> str:
@@ -22,7 +24,7 @@ def sh(cmd: str, cwd: Path, env: dict) -> str:
 
 
 @pytest.mark.slow
-def test_dvc_repro_on_a_tiny_model(tmp_path):
+def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.split()
     repo = tmp_path / "lab"
@@ -30,10 +32,12 @@ def test_dvc_repro_on_a_tiny_model(tmp_path):
         if (ROOT / f).is_file() and not f.startswith(("reports/", "dvc.lock")):
             (repo / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, repo / f)
+    (repo / "data" / "models").mkdir(parents=True)
+    (repo / "data" / "models" / "smollm2-135m").symlink_to(smollm2_tokenizer_dir)  # tiny-chat's tokenizer
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
            "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
-    sh("git init -q && python -m pipeline.config model=tiny-llama && git add -A && git commit -qm start", repo, env)
+    sh(f"git init -q && python -m pipeline.config model=tiny-chat {FAST} && git add -A && git commit -qm start", repo, env)
     t = time.perf_counter()
     sh("dvc repro", repo, env)
     first = time.perf_counter() - t
@@ -43,7 +47,8 @@ def test_dvc_repro_on_a_tiny_model(tmp_path):
     assert metrics["equivalence.continuous"] == 1.0 and "all_policies.continuous.throughput_tps" in metrics
     assert "up to date" in sh("dvc repro", repo, env)
     sh("git add -A && git commit -qm results", repo, env)
-    sh("dvc exp run -S model=tiny-llama -S policy.max_seats=2", repo, env)
+    sh(f"dvc exp run -S model=tiny-chat {FAST.replace(' ', ' -S ')} -S policy.max_seats=2", repo, env)
     diff = sh("dvc metrics diff", repo, env)
     assert "main.continuous.ttft_p99_s" in diff
+    assert "server.continuous.c64.throughput_tps" in metrics
     assert first < 180, f"dvc repro took {first:.0f} s"
