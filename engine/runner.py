@@ -22,6 +22,10 @@ class ModelRunner:
                                    self.net.head_dim, self.net.dtype, self.device)
         self.sampler = Sampler(seed, eos_ids)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.net.vocab_size
+
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 

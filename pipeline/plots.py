@@ -65,6 +65,9 @@ def main(cfg):
                             samples=server["complete"])
         throughput_vs_ttft(pts[["series", "label", "ttft_p99_s", "throughput_tps", "samples"]], slo,
                            "Servers under closed-loop load (measured)", PLOTS / "throughput_vs_ttft.png")
+    sim_path = RESULTS / "simulation.json"
+    if sim_path.exists():
+        simulation_plots(json.loads(sim_path.read_text()))
     stall = engine[engine["table"] == "prefill_stall"] if len(engine) else engine
     if len(stall):
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -78,6 +81,34 @@ def main(cfg):
         fig.tight_layout()
         fig.savefig(PLOTS / "prefill_stall.png", dpi=120)
         plt.close(fig)
+
+
+def simulation_plots(sim: dict):
+    val = pd.DataFrame(sim["validation"])
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    for ax, m, name in zip(axes, ["throughput_tps", "ttft_p50_s", "tpot_p50_s"], ["throughput, tok/s", "TTFT p50, s",
+                                                                                     "TPOT p50, s"]):
+        ax.scatter(val[f"real_{m}"], val[f"sim_{m}"], s=12)
+        lim = [0, max(val[f"real_{m}"].max(), val[f"sim_{m}"].max()) * 1.05]
+        ax.plot(lim, lim, "k--", linewidth=0.8)
+        ax.set_xlabel(f"real {name}")
+        ax.set_ylabel(f"simulated {name}")
+    fig.suptitle("Simulator against real runs", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(PLOTS / "simulator_validation.png", dpi=110)
+    plt.close(fig)
+    sw = pd.DataFrame([r for r in sim["sweeps"] if r["axis"] == "load.multiple"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for p, g in sw.groupby("policy", sort=False):
+        a.plot(g["value"], g["throughput_tps"], marker="o", label=p)
+        b.plot(g["value"], g["goodput_tps"], marker="o", label=p)
+    a.set_xlabel("load (x capacity)"), a.set_ylabel("throughput, tok/s"), b.set_xlabel("load (x capacity)")
+    b.set_ylabel("goodput, tok/s")
+    a.legend(fontsize=7)
+    fig.suptitle("Load sweep, simulated (median of 3 seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(PLOTS / "load_sweep.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

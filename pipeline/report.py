@@ -103,6 +103,28 @@ def main(cfg):
         parts.append(section("The cache has to change first (seed 003 §3)", "Growing `torch.cat` cache against the "
                              "slot cache.", body))
         metrics.update(m)
+    cost = read(RESULTS / "cost_model.json")
+    if cost:
+        body, m = tables.cost_model(cost)
+        parts.append(section("Step-time cost model (seed 003 §5-6)", "step = fixed + a x prompt tokens + b x decode "
+                             "rows + c x keys attended, least squares over every measured step of the replays.", body))
+        metrics.update(m)
+    sim = read(RESULTS / "simulation.json")
+    if sim:
+        body, m = tables.validation(sim)
+        parts.append(section("Simulator validation (seed 003 §6)", "The same scheduler on a virtual clock driven by "
+                             "the cost model, replaying every real run's workload.", body))
+        metrics.update(m)
+        parts.append(section("Load sweep (simulated)", "Load as a multiple of full-batch decode capacity.",
+                             tables.sweep_table(sim, "load.multiple", "load") + "\n\n" + tables.goodput_knees(sim)))
+        parts.append(section("Output-length spread sweep (simulated)", "Lognormal sigma of output length at load "
+                             "0.8.", tables.sweep_table(sim, "workload.output.sigma", "sigma")))
+        parts.append(section("Seats against reserved KV memory (seed 003 §7, simulated)", "Each seat reserves the "
+                             "worst case (longest prompt + longest output); the unused fraction is computed from "
+                             "the workload.", tables.sweep_table(
+                                 sim, "policy.max_seats", "seats",
+                                 ((0, "tokens reserved per seat (computed)", lambda r: str(r["reserved_tokens_per_seat"])),
+                                  (0, "KV unused (computed)", lambda r: f"{r['kv_unused_fraction']:.0%}")))))
     servers = read(RESULTS / "server" / "servers.json")
     if servers:
         metrics.update({f"server.{r['backend'].replace(', ', '-').replace(' ', '_')}.c{r['concurrency']}.{k}":

@@ -90,5 +90,52 @@ def cache(result: dict):
     return md + f"\n\nBatch {result['batch']}; all measured except the copied bytes.", metrics
 
 
+def cost_model(result: dict):
+    c, f = result["cost_model"], result["fit"]
+    md = markdown(["fixed, ms/step", "per prompt token, ms", "per decode row, ms", "per key attended, µs",
+                   "median error", "p90 error", "R²", "knee, tokens", "knee from the ridge, tokens (computed)"],
+                  [[fmt(c["fixed"] * 1e3), fmt(c["per_prompt_token"] * 1e3, 3), fmt(c["per_decode_row"] * 1e3, 3),
+                    fmt(c["per_kv_token"] * 1e6, 3), f"{f['median_rel_error']:.1%}", f"{f['p90_rel_error']:.1%}",
+                    fmt(f["r2"], 3), fmt(result["knee_tokens"], 0), fmt(result["knee_from_ridge_tokens"], 0)]])
+    return md + f"\n\nFitted to {f['steps']} measured steps.", {
+        "cost_model.knee_tokens": round(result["knee_tokens"], 1),
+        "cost_model.median_rel_error": round(f["median_rel_error"], 4)}
+
+
+def validation(sim: dict):
+    st = sim["validation_stats"]
+    names = {"throughput_tps": "throughput", "ttft_p50_s": "TTFT p50", "tpot_p50_s": "TPOT p50"}
+    md = markdown(["metric", "Spearman, real vs simulated", "median relative error"],
+                  [[names[m], fmt(v["spearman"]), f"{v['median_rel_error']:.1%}"] for m, v in st.items()])
+    t = sim["timing"]
+    md += (f"\n\n{len(sim['validation'])} real runs replayed in simulation. Sweep: {t['sweep_points']} simulated "
+           f"runs in {t['sweep_s']:.1f} s ({t['points_per_s']:.0f} per second).")
+    return md, {f"simulation.{m}.{k}": round(v[k], 4) for m, v in st.items() for k in v}
+
+
+def sweep_table(sim: dict, axis: str, label: str, extra: tuple = ()):
+    rows = [r for r in sim["sweeps"] if r["axis"] == axis]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    values = list(dict.fromkeys(r["value"] for r in rows))
+    get = {(r["value"], r["policy"]): r for r in rows}
+    header = [label, *[f"{p} tok/s" for p in policies], *[f"{p} goodput" for p in policies],
+              *[f"{p} TTFT p99, s" for p in policies], *[e[1] for e in extra]]
+    body = [[fmt(float(v)), *[fmt(get[v, p]["throughput_tps"], 1) for p in policies],
+             *[fmt(get[v, p]["goodput_tps"], 1) for p in policies],
+             *[fmt(get[v, p]["ttft_p99_s"]) for p in policies],
+             *[e[2](get[v, policies[0]]) for e in extra]] for v in values]
+    return markdown(header, body) + "\n\nSimulated (median of 3 seeds)."
+
+
+def goodput_knees(sim: dict) -> str:
+    """The load at which each policy's goodput peaks (past it, more load only adds missed deadlines)."""
+    rows = [r for r in sim["sweeps"] if r["axis"] == "load.multiple"]
+    out = []
+    for p in dict.fromkeys(r["policy"] for r in rows):
+        best = max((r for r in rows if r["policy"] == p), key=lambda r: r["goodput_tps"])
+        out.append([p, fmt(float(best["value"]), 1), fmt(best["goodput_tps"], 1)])
+    return markdown(["policy", "load at peak goodput (x capacity)", "peak goodput, tok/s"], out) + "\n\nSimulated."
+
+
 TABLES = {"static_efficiency": static_efficiency, "dynamic_timeouts": dynamic_timeouts,
           "prefill_stall": prefill_stall, "all_policies": all_policies, "main": all_policies}
