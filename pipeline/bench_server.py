@@ -1,8 +1,9 @@
 """Stage bench_server: start each server, load it closed-loop at each concurrency, stop it; then the in-process
 references for the c=64 continuous level. Writes data/results/server/servers.{json,parquet} and reports/SCOREBOARD.md.
 
-Seed 000's measurements: naive, dynamic (max_batch 16, 50 ms), continuous (64 seats) at c = 1, 4, 16, 64 with
-short prompts and fixed max_tokens under ignore_eos; mixed lengths at c = 16; pure static at low load (break it).
+Seed 000's measurements: naive and dynamic (max_batch 16, 50 ms) through Hugging Face generate, the engine with
+continuous batching (64 seats), at c = 1, 4, 16, 64 with short prompts and fixed max_tokens under ignore_eos;
+mixed lengths at c = 16; pure static (no deadline) at low load (break it).
 With bench.target.base_url set, the same levels run against that OpenAI-compatible endpoint instead.
 """
 import asyncio
@@ -39,9 +40,10 @@ def free_port() -> int:
 
 def start(cfg, run, port: int, capacity: int) -> subprocess.Popen:
     args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={cfg.precision.name}",
-            f"policy={run.policy}", f"policy.max_seats={run.seats}", f"port={port}", f"server.capacity={capacity}",
-            "server.max_waiting=4096", f"threads={cfg.threads}", f"seed={cfg.seed}",
-            *[f"policy.{k}={v}" for k, v in (run.get("knobs") or {}).items()]]
+            f"server={run.server}", f"port={port}", f"server.capacity={capacity}", "server.max_waiting=4096",
+            f"threads={cfg.threads}", f"seed={cfg.seed}",
+            *([f"policy={run.policy}", f"policy.max_seats={run.seats}"] if run.server == "engine" else []),
+            *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}" for k, v in (run.get("knobs") or {}).items()]]
     proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""})
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -140,7 +142,7 @@ def main(cfg):
                 url = f"http://127.0.0.1:{port}/v1"
                 r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
                                run.get("timeout_s", b.timeout_s), slo, cfg.seed)
-                if run.name in ("dynamic", "continuous"):
+                if run.get("mixed"):
                     mr, md = measure(url, cfg.model.name, f"{run.name}, mixed lengths", b.mixed.levels, b.mixed.n,
                                      list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed)
                     r, d = r + mr, d + md

@@ -31,7 +31,9 @@ def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: floa
              ttft_limit: float, tpot_limit: float, concurrency=None) -> dict:
     clock = VirtualClock()
     eng = LLMEngine(None, policy, capacity, runner=SimRunner(cost, clock), clock=clock)
-    req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6, sleep=clock.advance)
+    # waiting 1 ns past a deadline makes sure the virtual clock crosses it despite floating-point rounding
+    req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6,
+                           sleep=lambda dt: clock.advance(dt + 1e-9))
     return summarize(req, steps, ttft_limit, tpot_limit)
 
 

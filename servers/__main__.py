@@ -1,7 +1,9 @@
 """python -m servers [Hydra overrides], e.g. `python -m servers server=engine policy=continuous policy.max_seats=64
-port=8000`. Binds 127.0.0.1 unless told otherwise (host=0.0.0.0)."""
+port=8000`, `server=naive`, or `server=batcher server.max_batch=16 server.max_wait_ms=50`.
+Binds 127.0.0.1 unless told otherwise (host=0.0.0.0)."""
 import os
 import sys
+import threading
 
 import torch
 import uvicorn
@@ -11,6 +13,7 @@ from engine import LLMEngine
 from engine.loader import eos_ids, load_model
 from pipeline.config import compose_config
 from servers.app import create_app
+from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
 
 
@@ -20,22 +23,33 @@ def build(cfg):
     model, tokenizer = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
     if tokenizer is None:
         raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
-    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.server.capacity), eos_ids(model),
-                       seed=int(cfg.seed))
-    worker = EngineWorker(engine, int(cfg.server.max_waiting))
-    worker.start()
+    srv = cfg.server
+    if srv.name == "engine":
+        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.capacity), eos_ids(model),
+                           seed=int(cfg.seed))
+        worker = EngineWorker(engine, int(srv.max_waiting))
+    else:
+        worker = GenerateWorker(model, eos_ids(model), int(srv.capacity), int(srv.max_batch), float(srv.max_wait_ms),
+                                int(srv.max_waiting), tokenizer.pad_token_id or 0)
     key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
     return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens)), worker
 
 
 def main(argv: list[str]):
+    """HTTP in a thread, the engine loop in the main thread (where torch's thread pool lives)."""
     overrides = [f"server.{a}" if a.split("=")[0] in ("port", "host") else a for a in argv]
     cfg = compose_config(overrides)
     app, worker = build(cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning"))
+    http = threading.Thread(target=server.run, name="http", daemon=True)
+    http.start()
     try:
-        uvicorn.run(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning")
+        worker.run()
+    except KeyboardInterrupt:
+        pass
     finally:
-        worker.stop()
+        server.should_exit = True
+        http.join(timeout=10)
 
 
 if __name__ == "__main__":

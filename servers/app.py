@@ -14,18 +14,19 @@ from engine import RequestError, SamplingParams
 from servers.metrics import ServerMetrics
 from servers.protocol import ChatRequest, CompletionRequest, error
 from servers.text import Detokenizer
+from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
 
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages"}  # engine field -> API field
 
 
-def create_app(worker: EngineWorker, tokenizer, model_name: str, api_key: str | None = None,
+def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str, api_key: str | None = None,
                default_max_tokens: int = 256) -> FastAPI:
     app = FastAPI(title="LLM Batching Lab", version="0.1.0")
     metrics = ServerMetrics(model_name)
-    seats = worker.engine.scheduler.seats.num_seats
-    worker.on_step = lambda step, events: metrics.on_step(step, seats, worker.num_running, worker.num_waiting)
-    eos = set(worker.engine.scheduler.eos_ids)
+    worker.on_step = lambda step, events: metrics.on_step(step, worker.num_seats, worker.num_running,
+                                                          worker.num_waiting)
+    eos = set(worker.eos_ids)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
@@ -77,7 +78,7 @@ def create_app(worker: EngineWorker, tokenizer, model_name: str, api_key: str | 
         params = SamplingParams(max_new_tokens=max_tokens or default_max_tokens, temperature=body.temperature,
                                 top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
         try:
-            worker.engine.validate(prompt, params)
+            worker.validate(prompt, params)
         except RequestError as exc:
             return error(400, str(exc).replace("max_new_tokens", "max_tokens"), FIELD_NAMES.get(exc.field, exc.field))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

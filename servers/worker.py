@@ -26,12 +26,32 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
     def start(self):
+        """Run the loop in a thread of its own (tests). A server runs it in the main thread (`run`) instead:
+        torch's CPU thread pool belongs to the thread that loaded the model, and a step driven from another
+        thread measured about twice as slow here."""
         self._thread.start()
+
+    def run(self):
+        """Run the loop in the calling thread until stop()."""
+        self._thread = threading.current_thread()
+        self._loop()
 
     def stop(self):
         self._stop.set()
         self.inbox.put(("wake",))
-        self._thread.join(timeout=10)
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    @property
+    def eos_ids(self) -> frozenset:
+        return self.engine.scheduler.eos_ids
+
+    @property
+    def num_seats(self) -> int:
+        return self.engine.scheduler.seats.num_seats
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        self.engine.validate(prompt, params)
 
     @property
     def alive(self) -> bool:

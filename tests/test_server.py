@@ -15,6 +15,7 @@ from engine import LLMEngine
 from engine.loader import eos_ids, load_model
 from pipeline.equivalence import hf_reference
 from servers.app import create_app
+from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
 from tests.conftest import model_cfg
 
@@ -33,11 +34,16 @@ def free_port() -> int:
 
 
 class Server:
-    """The app on a real loopback port in a thread, for real HTTP clients."""
+    """The app on a real loopback port in a thread, for real HTTP clients. policy: an engine policy, or
+    {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
     def __init__(self, model, tok, policy, api_key=None, max_waiting=64, capacity=512):
-        self.engine = LLMEngine(model, policy, capacity, eos_ids(model))
-        self.worker = EngineWorker(self.engine, max_waiting)
+        if policy["name"] == "generate":
+            self.worker = GenerateWorker(model, eos_ids(model), capacity, policy["max_batch"], policy["max_wait_ms"],
+                                         max_waiting)
+        else:
+            self.engine = LLMEngine(model, policy, capacity, eos_ids(model))
+            self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
         self.port = free_port()
         app = create_app(self.worker, tok, "tiny-chat", api_key, default_max_tokens=16)
@@ -54,9 +60,21 @@ class Server:
         self.worker.stop()
 
 
+BACKENDS = {"engine": {"name": "continuous", "max_seats": 4},
+            "naive": {"name": "generate", "max_batch": 1, "max_wait_ms": 0},
+            "batcher": {"name": "generate", "max_batch": 4, "max_wait_ms": 20}}
+
+
+@pytest.fixture(params=list(BACKENDS))
+def any_server(chat_model, request):
+    s = Server(*chat_model, BACKENDS[request.param])
+    yield s
+    s.close()
+
+
 @pytest.fixture()
 def server(chat_model):
-    s = Server(*chat_model, {"name": "continuous", "max_seats": 4})
+    s = Server(*chat_model, BACKENDS["engine"])
     yield s
     s.close()
 
@@ -65,8 +83,8 @@ def client(s, key="none"):
     return openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0, timeout=30)
 
 
-def test_chat_and_completions_stream_and_not(server):
-    c = client(server)
+def test_chat_and_completions_stream_and_not(any_server):
+    c = client(any_server)
     r = c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
@@ -85,9 +103,9 @@ def test_chat_and_completions_stream_and_not(server):
     assert [m.id for m in c.models.list().data] == ["tiny-chat"]
 
 
-def test_greedy_output_equals_generate(server, chat_model):
+def test_greedy_output_equals_generate(any_server, chat_model):
     model, tok = chat_model
-    c = client(server)
+    c = client(any_server)
     for text in ["Hello there", "The capital of France is", "1, 2, 3,"]:
         ids = tok.encode(text)
         ref = hf_reference(model, ids, 12)
@@ -178,8 +196,11 @@ def test_429_with_retry_after(chat_model):
         s.close()
 
 
-def test_disconnect_frees_the_seat(chat_model):
-    s = Server(*chat_model, {"name": "continuous", "max_seats": 1})
+@pytest.mark.parametrize("backend", ["engine", "batcher"])
+def test_disconnect_frees_the_seat(chat_model, backend):
+    one_seat = {"engine": {"name": "continuous", "max_seats": 1},
+                "batcher": {"name": "generate", "max_batch": 1, "max_wait_ms": 0}}
+    s = Server(*chat_model, one_seat[backend])
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=10) as h:

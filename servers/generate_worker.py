@@ -1,0 +1,172 @@
+"""Hugging Face `generate` behind the same worker interface as the engine: the naive server (one request at a
+time) and the batcher (seed 000's server_static: a collector forms a batch of up to `max_batch` requests, waiting
+at most `max_wait_ms` after the first, then one left-padded batch generate streams every row).
+
+A batch is closed once it starts: newcomers wait for the whole batch, finished rows keep computing until the
+longest ends, and an infinite wait is pure static batching (a lone request waits for company forever).
+One sampling setting per batch (the first request's): batch generate has no per-row temperature or seed.
+"""
+import math
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from engine import LLMEngine, SamplingParams
+from engine.scheduler import StepEvent
+
+
+@dataclass
+class Job:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    loop: object
+    q: object
+    count: int = 0
+    done: bool = False
+    times: list = field(default_factory=list)
+
+
+class BatchStreamer(BaseStreamer):
+    """Receives each generate step's new token per row (on generate's thread) and hands them to the jobs."""
+
+    def __init__(self, worker: "GenerateWorker", jobs: list[Job]):
+        self.worker, self.jobs, self.prompt_seen = worker, jobs, False
+
+    def put(self, value):
+        if not self.prompt_seen:  # the first call carries the prompt ids
+            self.prompt_seen = True
+            return
+        tokens = value.view(-1).tolist()
+        live = 0
+        for job, token in zip(self.jobs, tokens):
+            if job.done:
+                continue  # a finished row: computed by generate, discarded here (a zombie row)
+            live += 1
+            job.count += 1
+            p = job.params
+            stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.worker.eos_ids)
+            reason = "stop" if stop else ("length" if job.count >= p.max_new_tokens else None)
+            if job.rid in self.worker.aborted:
+                job.done, reason = True, None
+                continue
+            job.done = reason is not None
+            job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, token, reason))
+        if self.worker.on_step:
+            self.worker.on_step({"num_tokens": len(tokens), "num_prompt_tokens": 0, "useful_rows": live}, [])
+
+    def end(self):
+        for job in self.jobs:  # generate stopped (every row hit EOS or the batch's longest): close what is open
+            if not job.done:
+                job.done = True
+                if job.rid not in self.worker.aborted:
+                    job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, None, "length"))
+
+
+class RowsDone(StoppingCriteria):
+    """A row is done when its own request finished or its client left; generate ends when every row is done."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.tensor([j.done for j in self.jobs], device=input_ids.device)
+
+
+class GenerateWorker:
+    validate = LLMEngine.validate  # the engine's request checks, on this worker's vocab_size and capacity
+
+    def __init__(self, model, eos_ids, capacity: int, max_batch: int, max_wait_ms: float, max_waiting: int,
+                 pad_id: int = 0):
+        self.model, self.eos_ids, self.capacity = model, set(eos_ids), capacity
+        self.vocab_size = model.config.vocab_size
+        self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000.0
+        self.max_waiting, self.pad_id = max_waiting, pad_id
+        self.num_seats = max_batch
+        self.inbox: queue.Queue = queue.Queue()
+        self.aborted: set[str] = set()
+        self.error: str | None = None
+        self.num_running = 0
+        self.on_step = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.inbox.qsize()
+
+    def queued(self) -> int:
+        return self.inbox.qsize()
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def start(self):
+        self._thread.start()
+
+    def run(self):
+        self._thread = threading.current_thread()
+        self._loop()
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def submit(self, rid, prompt, params, loop, q):
+        self.inbox.put(Job(rid, prompt, params, loop, q))
+
+    def abort(self, rid: str):
+        self.aborted.add(rid)
+
+    def _collect(self) -> list[Job]:
+        """Block for a first job, then take more until the batch is full or the window after the first closes."""
+        try:
+            batch = [self.inbox.get(timeout=0.5)]
+        except queue.Empty:
+            return []
+        deadline = time.monotonic() + self.max_wait
+        while len(batch) < self.max_batch and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 and not math.isinf(self.max_wait):
+                break
+            try:
+                batch.append(self.inbox.get(timeout=0.5 if math.isinf(self.max_wait) else left))
+            except queue.Empty:
+                continue
+        return [j for j in batch if j.rid not in self.aborted]
+
+    def _generate(self, batch: list[Job]):
+        longest = max(len(j.prompt) for j in batch)
+        ids = torch.tensor([[self.pad_id] * (longest - len(j.prompt)) + j.prompt for j in batch])
+        mask = torch.tensor([[0] * (longest - len(j.prompt)) + [1] * len(j.prompt) for j in batch])
+        first = batch[0].params
+        new = max(j.params.max_new_tokens for j in batch)
+        forced = max((j.params.max_new_tokens for j in batch if j.params.ignore_eos), default=0)
+        sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p,
+                    "top_k": first.top_k or None} if first.temperature > 0 else {"do_sample": False}
+        if first.seed is not None:
+            torch.manual_seed(first.seed)
+        self.num_running = len(batch)
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=forced,
+                                pad_token_id=self.pad_id, streamer=BatchStreamer(self, batch),
+                                stopping_criteria=StoppingCriteriaList([RowsDone(batch)]), **sampling)
+        self.num_running = 0
+
+    def _loop(self):
+        try:
+            while not self._stop.is_set():
+                batch = self._collect()
+                if batch:
+                    self._generate(batch)
+                    self.aborted -= {j.rid for j in batch}
+        except Exception:
+            self.error = traceback.format_exc(limit=3)
