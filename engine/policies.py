@@ -99,7 +99,7 @@ class Dynamic(Scheduler):
         if self.running:  # the batch is closed: every row decodes, finished rows as zombies
             return self._output([self._zombie(r) if r.finish_reason else self._chunk(r, 1) for r in self.running], [])
         full = len(self.waiting) >= self.max_batch
-        due = bool(self.waiting) and now - self.waiting[0].arrival >= self.max_wait
+        due = bool(self.waiting) and now >= self.waiting[0].arrival + self.max_wait  # exactly wake_time()
         if not (full or due):
             return self._output([], [])
         batch = self._pick()

@@ -4,6 +4,7 @@ Policies subclass Scheduler and override `schedule` (see engine/policies.py); th
 every policy shares (queue, seats, appending tokens, finishing, zombie rows) lives here.
 """
 import heapq
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...] = ()
     new_ids: tuple[str, ...] = ()        # admitted this step
     finished_ids: tuple[str, ...] = ()   # finished since the last step (aborts included)
-    preempted_ids: tuple[str, ...] = ()
+    preempted_ids: tuple[str, ...] = ()  # no policy preempts yet: seats are reserved whole at admission
     num_pad_tokens: int = 0              # of which left-padding, computed and discarded (padded batch policies)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # rid -> tokens this step
 
@@ -72,7 +73,7 @@ class SeatTable:
         heapq.heappush(self._free, seat)
 
 
-class Scheduler:
+class Scheduler(ABC):
     """Base scheduler; subclasses are the policies. `holds_finished` keeps finished rows as zombies."""
 
     holds_finished = False
@@ -111,8 +112,9 @@ class Scheduler:
         return None
 
     # --- one step --------------------------------------------------------------------------
+    @abstractmethod
     def schedule(self, now: float) -> SchedulerOutput:
-        raise NotImplementedError("a policy overrides schedule()")
+        """The policy: who runs this step and how many tokens each."""
 
     def update(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[StepEvent]:
         """Append sampled tokens, finish requests, free seats; return one event per new token."""

@@ -38,6 +38,10 @@ class VirtualClock:
     def advance(self, dt: float) -> None:
         self.t += max(0.0, dt)
 
+    def advance_to(self, t: float) -> None:
+        """Jump to absolute time t (exact: a deadline waited for is reached, not missed by rounding)."""
+        self.t = max(self.t, t)
+
 
 class SimRunner:
     """Same interface as ModelRunner: run(plan, params) -> rid -> token; costs virtual time, computes nothing."""

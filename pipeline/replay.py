@@ -20,14 +20,15 @@ def calibrate_step(model, seats: int, capacity: int, prompt_len: int = 32, steps
 
 
 def replay(engine: LLMEngine, workload: pd.DataFrame, step_s: float, concurrency: int | None = None,
-           time_limit_s: float = 600.0, sleep=time.sleep) -> tuple[pd.DataFrame, pd.DataFrame, float]:
+           time_limit_s: float = 600.0, wait_until=None) -> tuple[pd.DataFrame, pd.DataFrame, float]:
     """Run the workload; returns (per-request records, per-step records, wall seconds).
 
     Open loop: request i arrives at arrival_steps[i] * step_s. Closed loop (`concurrency`): c requests start at 0
     and each finished request lets the next one in. A request still unfinished when nothing more can happen
     (a static batcher that never fills) or at `time_limit_s` is recorded as incomplete, not waited on forever.
-    On a virtual clock, `sleep` advances that clock instead of waiting.
+    `wait_until(t)` waits until engine time t (default: sleep on the wall clock); a simulation jumps its clock.
     """
+    wait_until = wait_until or (lambda t: time.sleep(max(0.0, t - engine.now())))
     rows = workload.sort_values("arrival_steps").to_dict("records")
     if concurrency:
         for i, r in enumerate(rows):
@@ -63,7 +64,7 @@ def replay(engine: LLMEngine, workload: pd.DataFrame, step_s: float, concurrency
                     if t is not None]
         if not upcoming:
             break  # nothing will ever arrive or launch again
-        sleep(max(0.0, min(upcoming) - engine.now()))
+        wait_until(min(upcoming))
     wall = engine.now()
     return records(workload, reqs), pd.DataFrame(engine.steps), wall
 

@@ -31,9 +31,8 @@ def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: floa
              ttft_limit: float, tpot_limit: float, concurrency=None) -> dict:
     clock = VirtualClock()
     eng = LLMEngine(None, policy, capacity, runner=SimRunner(cost, clock), clock=clock)
-    # waiting 1 ns past a deadline makes sure the virtual clock crosses it despite floating-point rounding
     req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6,
-                           sleep=lambda dt: clock.advance(dt + 1e-9))
+                           wait_until=lambda t: clock.advance_to(eng.t0 + t))
     return summarize(req, steps, ttft_limit, tpot_limit)
 
 

@@ -8,7 +8,6 @@ One sampling setting per batch (the first request's): batch generate has no per-
 """
 import math
 import queue
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from engine import LLMEngine, SamplingParams
 from engine.scheduler import StepEvent
+from servers.worker import Worker
 
 
 @dataclass
@@ -79,23 +79,17 @@ class RowsDone(StoppingCriteria):
         return torch.tensor([j.done for j in self.jobs], device=input_ids.device)
 
 
-class GenerateWorker:
+class GenerateWorker(Worker):
     validate = LLMEngine.validate  # the engine's request checks, on this worker's vocab_size and capacity
 
     def __init__(self, model, eos_ids, capacity: int, max_batch: int, max_wait_ms: float, max_waiting: int,
                  pad_id: int = 0):
+        super().__init__(max_waiting)
         self.model, self.eos_ids, self.capacity = model, set(eos_ids), capacity
         self.vocab_size = model.config.vocab_size
-        self.max_batch, self.max_wait = max_batch, max_wait_ms / 1000.0
-        self.max_waiting, self.pad_id = max_waiting, pad_id
+        self.max_batch, self.max_wait, self.pad_id = max_batch, max_wait_ms / 1000.0, pad_id
         self.num_seats = max_batch
-        self.inbox: queue.Queue = queue.Queue()
         self.aborted: set[str] = set()
-        self.error: str | None = None
-        self.num_running = 0
-        self.on_step = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="generate", daemon=True)
 
     @property
     def num_waiting(self) -> int:
@@ -103,22 +97,6 @@ class GenerateWorker:
 
     def queued(self) -> int:
         return self.inbox.qsize()
-
-    @property
-    def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
-
-    def start(self):
-        self._thread.start()
-
-    def run(self):
-        self._thread = threading.current_thread()
-        self._loop()
-
-    def stop(self):
-        self._stop.set()
-        if self._thread is not threading.current_thread() and self._thread.is_alive():
-            self._thread.join(timeout=10)
 
     def submit(self, rid, prompt, params, loop, q):
         self.inbox.put(Job(rid, prompt, params, loop, q))
@@ -132,15 +110,19 @@ class GenerateWorker:
             batch = [self.inbox.get(timeout=0.5)]
         except queue.Empty:
             return []
+        if not isinstance(batch[0], Job):  # stop()'s wake-up
+            return []
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch and not self._stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0 and not math.isinf(self.max_wait):
                 break
             try:
-                batch.append(self.inbox.get(timeout=0.5 if math.isinf(self.max_wait) else left))
+                job = self.inbox.get(timeout=0.5 if math.isinf(self.max_wait) else left)
             except queue.Empty:
                 continue
+            if isinstance(job, Job):
+                batch.append(job)
         return [j for j in batch if j.rid not in self.aborted]
 
     def _generate(self, batch: list[Job]):

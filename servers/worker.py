@@ -6,6 +6,7 @@ marks the worker down (503 and /health).
 """
 import queue
 import threading
+from abc import ABC, abstractmethod
 import time
 import traceback
 
@@ -13,17 +14,21 @@ from engine import LLMEngine, SamplingParams
 from engine.scheduler import StepEvent
 
 
-class EngineWorker:
-    def __init__(self, engine: LLMEngine, max_waiting: int):
-        self.engine = engine
+class Worker(ABC):
+    """What both workers share: an inbox, a loop run in a thread or in the caller, an error that marks it down."""
+
+    def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
         self.inbox: queue.Queue = queue.Queue()
-        self.streams: dict[str, tuple] = {}       # rid -> (loop, asyncio.Queue), owned by the engine thread
         self.error: str | None = None
-        self.num_running = self.num_waiting = 0   # snapshots for /metrics, refreshed every step
+        self.num_running = 0
         self.on_step = None                       # callback(step record, events) for metrics
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+
+    @abstractmethod
+    def _loop(self):
+        """Serve the inbox until stop(); set self.error and fail what is in flight on an exception."""
 
     def start(self):
         """Run the loop in a thread of its own (tests). A server runs it in the main thread (`run`) instead:
@@ -43,6 +48,18 @@ class EngineWorker:
             self._thread.join(timeout=10)
 
     @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+
+class EngineWorker(Worker):
+    def __init__(self, engine: LLMEngine, max_waiting: int):
+        super().__init__(max_waiting)
+        self.engine = engine
+        self.streams: dict[str, tuple] = {}       # rid -> (loop, asyncio.Queue), owned by the engine thread
+        self.num_waiting = 0                      # snapshot for /metrics, refreshed every step
+
+    @property
     def eos_ids(self) -> frozenset:
         return self.engine.scheduler.eos_ids
 
@@ -52,10 +69,6 @@ class EngineWorker:
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt, params)
-
-    @property
-    def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
 
     def queued(self) -> int:
         return self.num_waiting + self.inbox.qsize()

@@ -43,7 +43,7 @@ def test_static_efficiency_in_simulation_matches_prediction():
     cfg = compose_config(["model=tiny-llama", "+experiment=static_efficiency", "workload.output.sigma=1.2"])
     wl = build(cfg, None, 512)
     eng, clock = sim_engine({"name": "static", "max_seats": 8, "max_batch": 8})
-    req, steps, _ = replay(eng, wl, 0.02, sleep=clock.advance)
+    req, steps, _ = replay(eng, wl, 0.02, wait_until=lambda t: clock.advance_to(eng.t0 + t))
     assert summarize(req, steps)["slot_efficiency"] == pytest.approx(predicted_static_efficiency(wl["output_tokens"], 8))
 
 
@@ -56,3 +56,12 @@ def test_fit_recovers_known_costs():
     model, stats = fit(steps)
     assert model.fixed == pytest.approx(0.03, rel=0.05) and model.per_prompt_token == pytest.approx(0.0008, rel=0.05)
     assert stats["median_rel_error"] < 0.02
+
+
+def test_dynamic_deadline_is_reached_exactly_on_a_virtual_clock():
+    """A lone request under dynamic batching launches at its deadline; the simulation never spins short of it."""
+    cfg = compose_config(["model=tiny-llama", "policy=dynamic", "workload.num_requests=1", "load=poisson"])
+    eng, clock = sim_engine({"name": "dynamic", "max_seats": 8, "max_batch": 8, "max_wait_ms": 300})
+    wl = build(cfg, None, 512).assign(arrival_steps=[0.1234567])
+    req, _, _ = replay(eng, wl, 0.0371, wait_until=lambda t: clock.advance_to(eng.t0 + t))
+    assert req["complete"].all() and req["admit"].iloc[0] == pytest.approx(0.1234567 * 0.0371 + 0.3)
