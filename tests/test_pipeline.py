@@ -47,7 +47,7 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     assert metrics["equivalence.continuous"] == 1.0 and "all_policies.continuous.throughput_tps" in metrics
     assert "up to date" in sh("dvc repro", repo, env)
     sh("git add -A && git commit -qm results", repo, env)
-    sh(f"dvc exp run -S model=tiny-chat {FAST.replace(' ', ' -S ')} -S policy.max_seats=2", repo, env)
+    sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S policy.max_seats=2", repo, env)
     diff = sh("dvc metrics diff", repo, env)
     assert "main.continuous.ttft_p99_s" in diff
     assert "server.continuous.c64.throughput_tps" in metrics
