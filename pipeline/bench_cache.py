@@ -13,7 +13,7 @@ from pipeline.config import ROOT, load
 from pipeline.env import environment
 from pipeline.io import write_json
 
-BATCH, CONTEXTS, STEPS = 16, [32, 64, 128, 192, 248], 5
+BATCH, CONTEXTS, STEPS = 16, [32, 128, 248], 5
 
 
 def measure(model, cache: str, context: int) -> dict:

@@ -29,42 +29,49 @@ def slo_limits(slo, step_s: float) -> tuple[float, float]:
     return float(slo.ttft_steps) * step_s, float(slo.tpot_steps) * step_s
 
 
+def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: dict[int, float]):
+    """Replay one run's workload; returns (summary row, per-request records, per-step records)."""
+    ref = int(cfg.load.get("ref_seats", cfg.policy.max_seats))
+    if ref not in steps_cache:
+        steps_cache[ref] = calibrate_step(model, ref, int(cfg.capacity), int(wl["prompt_tokens"].median()),
+                                          eos=eos_ids(model))
+    step_s = steps_cache[ref]
+    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.capacity), eos_ids(model), seed=int(cfg.seed))
+    conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
+    req, st, _ = replay(engine, wl, step_s, conc)
+    ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
+    row = {"table": table, "point": name, "policy": cfg.policy.name, "workload": cfg.workload.name,
+           "load": cfg.load.name, "load_multiple": float(cfg.load.get("multiple", float("nan"))),
+           "sigma": float(cfg.workload.output.sigma),
+           "length_cv": float(wl["output_tokens"].std(ddof=0) / wl["output_tokens"].mean()), "step_s": step_s,
+           "ttft_limit_s": ttft_lim, "tpot_limit_s": tpot_lim, **summarize(req, st, ttft_lim, tpot_lim)}
+    if cfg.policy.name in ("static", "dynamic", "bucketed"):
+        row["batch_sizes"] = list(engine.scheduler.batch_sizes)
+        row["predicted_static_efficiency"] = predicted_static_efficiency(
+            wl.sort_values("arrival_steps")["output_tokens"], int(cfg.policy.max_batch))
+    for knob in ("max_wait_ms", "token_budget", "max_batch", "max_seats"):
+        if knob in cfg.policy:
+            row[knob] = float(cfg.policy[knob])
+    print(f"{table} | {name}: {row['throughput_tps']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
+          f"{row['complete']}/{row['requests']} complete", flush=True)
+    return row, req.assign(point=name), st.assign(point=name)
+
+
+def save_table(out_dir, table: str, rows: list[dict], reqs: list, steps: list, meta: dict):
+    """<table>.json (summary rows + meta), <table>.parquet (requests), <table>_steps.parquet (steps)."""
+    write_parquet(out_dir / f"{table}.parquet", pd.concat(reqs, ignore_index=True), meta)
+    write_parquet(out_dir / f"{table}_steps.parquet", pd.concat(steps, ignore_index=True), meta)
+    write_json(out_dir / f"{table}.json", {"rows": rows, **meta})
+
+
 def run_table(model, base, table: str) -> list[dict]:
     workloads = pd.read_parquet(ROOT / "data" / "workloads" / f"{table}.parquet")
-    eos = eos_ids(model)
     steps_cache: dict[int, float] = {}
-    reqs, steps, rows = [], [], []
-    for name, cfg in runs(base, table):
-        wl = workloads[workloads["point"] == name]
-        ref = int(cfg.load.get("ref_seats", cfg.policy.max_seats))
-        if ref not in steps_cache:
-            steps_cache[ref] = calibrate_step(model, ref, int(cfg.capacity), int(wl["prompt_tokens"].median()), eos=eos)
-        step_s = steps_cache[ref]
-        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.capacity), eos, seed=int(cfg.seed))
-        conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
-        req, st, wall = replay(engine, wl, step_s, conc)
-        ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
-        row = {"table": table, "point": name, "policy": cfg.policy.name, "workload": cfg.workload.name,
-               "load": cfg.load.name, "load_multiple": float(cfg.load.get("multiple", float("nan"))),
-               "sigma": float(cfg.workload.output.sigma),
-               "length_cv": float(wl["output_tokens"].std(ddof=0) / wl["output_tokens"].mean()), "step_s": step_s, "ttft_limit_s": ttft_lim,
-               "tpot_limit_s": tpot_lim, **summarize(req, st, ttft_lim, tpot_lim)}
-        if cfg.policy.name in ("static", "dynamic", "bucketed"):
-            row["batch_sizes"] = list(engine.scheduler.batch_sizes)
-            row["predicted_static_efficiency"] = predicted_static_efficiency(
-                wl.sort_values("arrival_steps")["output_tokens"], int(cfg.policy.max_batch))
-        for knob in ("max_wait_ms", "token_budget", "max_batch", "max_seats"):
-            if knob in cfg.policy:
-                row[knob] = float(cfg.policy[knob])
-        rows.append(row)
-        reqs.append(req.assign(point=name))
-        steps.append(st.assign(point=name))
-        print(f"{table} | {name}: {row['throughput_tps']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
-              f"{row['complete']}/{row['requests']} complete", flush=True)
+    results = [run_one(model, cfg, workloads[workloads["point"] == name], table, name, steps_cache)
+               for name, cfg in runs(base, table)]
+    rows, reqs, steps = (list(x) for x in zip(*results))
     meta = {"config": OmegaConf.to_container(base), "environment": environment(base.precision.device)}
-    write_parquet(OUT / f"{table}.parquet", pd.concat(reqs, ignore_index=True), meta)
-    write_parquet(OUT / f"{table}_steps.parquet", pd.concat(steps, ignore_index=True), meta)
-    write_json(OUT / f"{table}.json", {"rows": rows, **meta})
+    save_table(OUT, table, rows, reqs, steps, meta)
     return rows
 
 

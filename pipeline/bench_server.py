@@ -4,10 +4,13 @@ references for the c=64 continuous level. Writes data/results/server/servers.{js
 Seed 000's measurements: naive and dynamic (max_batch 16, 50 ms) through Hugging Face generate, the engine with
 continuous batching (64 seats), at c = 1, 4, 16, 64 with short prompts and fixed max_tokens under ignore_eos;
 mixed lengths at c = 16; pure static (no deadline) at low load (break it).
+Open loop: the main table's saved workload (its Poisson or gamma arrivals, converted to seconds with the step time
+its engine replay measured) against an engine server running the main policy, beside that in-process replay.
 With bench.target.base_url set, the same levels run against that OpenAI-compatible endpoint instead.
 """
 import asyncio
 import datetime
+import json
 import os
 import random
 import socket
@@ -25,7 +28,7 @@ from pipeline.config import ROOT, load
 from pipeline.engine_speed import engine_run, hf_generate
 from pipeline.env import environment
 from pipeline.io import write_json, write_parquet, write_text
-from pipeline.loadgen import closed_loop
+from pipeline.loadgen import closed_loop, open_loop
 from pipeline.metrics import summarize
 from pipeline.prompts import CHAT, chat_ids
 
@@ -91,6 +94,34 @@ def measure(base_url, model, name, levels, n, lengths, timeout_s, slo, seed, api
     return rows, recs
 
 
+def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame]:
+    """The table's workload, open loop, against an engine server with the base policy; and its in-process replay.
+    Returns (summary row with the replay's figures beside it, per-request records)."""
+    wl = pd.read_parquet(ROOT / "data" / "workloads" / f"{table}.parquet")
+    replayed = json.loads((ROOT / "data" / "results" / "engine" / f"{table}.json").read_text())["rows"][0]
+    run = OmegaConf.create({"name": f"{cfg.policy.name} (open loop)", "server": "engine", "policy": cfg.policy.name,
+                            "seats": cfg.policy.max_seats,
+                            "knobs": {k: v for k, v in cfg.policy.items() if k not in ("name", "max_seats")}})
+    port = free_port()
+    proc = start(cfg, run, port, int(cfg.capacity))
+    try:
+        reqs = [(list(map(int, p)), int(n)) for p, n in zip(wl["prompt"], wl["output_tokens"])]
+        arrivals = (wl["arrival_steps"] * replayed["step_s"]).tolist()
+        out = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1", cfg.model.name, reqs, arrivals, timeout_s))
+    finally:
+        stop(proc)
+    df = pd.DataFrame(out).assign(is_long=wl["is_long"].to_numpy())
+    s = summarize(df, None, replayed["ttft_limit_s"], replayed["tpot_limit_s"])
+    print(f"{run.name}: {s['throughput_tps']:.1f} tok/s, TTFT p50 {s['ttft_p50_s']:.3f} s, "
+          f"{s['complete']}/{s['requests']} complete (in-process replay {replayed['throughput_tps']:.1f} tok/s)")
+    errors = [r["error"] for r in out if r["error"]]
+    row = {"backend": run.name, "table": table, "load": f"{cfg.load.name} {cfg.load.get('multiple', '')}x".strip(),
+           **s, "errors": len(errors), "first_error": errors[0] if errors else None,
+           "replay": {k: replayed[k] for k in ("throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s",
+                                               "tpot_p50_s", "requests", "complete")}}
+    return row, df.assign(rid=wl["rid"].to_numpy()).drop(columns=["error"])
+
+
 def references(cfg, n: int, max_tokens: int) -> dict:
     """The same c=64 requests in-process: the engine (64 seats) and HF generate on a padded batch."""
     model, tok = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
@@ -102,7 +133,7 @@ def references(cfg, n: int, max_tokens: int) -> dict:
     return {"engine_tps": n * max_tokens / eng["total"], "hf_tps": n * max_tokens / hf}
 
 
-def scoreboard(rows: list[dict], env: dict, ref: dict | None) -> str:
+def scoreboard(rows: list[dict], env: dict, ref: dict | None, opened: dict | None) -> str:
     day = datetime.date.today().isoformat()
     lines = ["# Scoreboard", "",
              f"Closed-loop load, short chat prompts, fixed max_tokens with ignore_eos, on {env['device']} "
@@ -119,13 +150,20 @@ def scoreboard(rows: list[dict], env: dict, ref: dict | None) -> str:
                   f"{ref['server_tps']:.1f} tok/s, engine {ref['engine_tps']:.1f} tok/s (ratio "
                   f"{ref['server_tps'] / ref['engine_tps']:.2f}), HF generate padded batch {ref['hf_tps']:.1f} tok/s "
                   f"(ratio {ref['server_tps'] / ref['hf_tps']:.2f})."]
+    if opened:
+        lines += ["", f"Open loop: the `{opened['table']}` table's workload ({opened['requests']} requests, "
+                  f"{opened['load']} arrivals), through the server and replayed in-process (measured).", "",
+                  "| run | ok | TTFT p50, s | TTFT p99, s | TPOT p50, ms | tok/s | goodput, tok/s |", "|---|---|---|---|---|---|---|"]
+        for name, r in ((opened["backend"], opened), ("engine in-process replay", opened["replay"])):
+            lines.append(f"| {name} | {r['complete']}/{r['requests']} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
+                         f"{f(r['tpot_p50_s'] * 1e3, 0)} | {f(r['throughput_tps'], 1)} | {f(r['goodput_tps'], 1)} |")
     return "\n".join(lines) + "\n"
 
 
 def main(cfg):
     b = cfg.bench.server
     slo = (float(cfg.slo.get("ttft_s", 1.0)), float(cfg.slo.get("tpot_s", 0.1)))
-    rows, recs, ref = [], [], None
+    rows, recs, ref, opened, open_recs = [], [], None, None, pd.DataFrame()
     t = cfg.bench.target
     if t.base_url:
         key = os.environ.get(t.api_key_env) if t.api_key_env else None
@@ -153,11 +191,14 @@ def main(cfg):
         if c64:
             torch.set_num_threads(int(cfg.threads))
             ref = {**references(cfg, c64[0]["requests"], int(b.max_tokens)), "server_tps": c64[0]["throughput_tps"]}
+        if b.get("open_loop"):
+            opened, open_recs = open_loop_run(cfg, b.open_loop.table, float(b.timeout_s))
     env = environment(cfg.precision.device)
     meta = {"environment": env, "bench": OmegaConf.to_container(b)}
     write_parquet(OUT / "servers.parquet", pd.concat(recs, ignore_index=True).drop(columns=["error"]), meta)
-    write_json(OUT / "servers.json", {"rows": rows, "reference_c64": ref, "environment": env})
-    write_text(ROOT / "reports" / "SCOREBOARD.md", scoreboard(rows, env, ref))
+    write_parquet(OUT / "open_loop.parquet", open_recs, meta)
+    write_json(OUT / "servers.json", {"rows": rows, "reference_c64": ref, "open_loop": opened, "environment": env})
+    write_text(ROOT / "reports" / "SCOREBOARD.md", scoreboard(rows, env, ref, opened))
 
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:
 
 def step_floor_ms(net: FlatModel, batch: int) -> float:
     """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms."""
-    mats = [w for layer in net.layers for w in (layer[1], layer[3], layer[5], layer[6])] + [net.lm_head]
-    x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.dtype, device=m.device) for m in mats}
-    return best_of(lambda: [x[m.shape[0]] @ m for m in mats], 3) * 1e3
+    mats = [w for layer in net.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [net.lm_head]
+    x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.w.dtype, device=m.w.device) for m in mats}
+    return best_of(lambda: [m(x[m.shape[0]]) for m in mats], 3) * 1e3
 
 
 def main(cfg) -> dict:

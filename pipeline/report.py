@@ -149,9 +149,12 @@ def main(cfg):
                         round(r[k], 4) for r in servers["rows"]
                         for k in ("throughput_tps", "ttft_p50_s", "ttft_p99_s", "max_gap_p99_s")
                         if r.get(k) is not None and r[k] == r[k]})
+        if servers.get("open_loop"):
+            metrics.update({f"server.open_loop.{k}": round(servers["open_loop"][k], 4)
+                            for k in ("throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s")})
     score = REPORTS / "SCOREBOARD.md"
     if score.exists():
-        parts.append(section("Scoreboard", "Servers under closed-loop load (see SCOREBOARD.md).",
+        parts.append(section("Scoreboard", "Servers under closed-loop and open-loop load (see SCOREBOARD.md).",
                              score.read_text().split("\n", 2)[-1]))
     hw = read(REPORTS / "hardware.json")
     all_rows = [r for rows in results.values() for r in rows]

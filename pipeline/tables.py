@@ -139,3 +139,13 @@ def goodput_knees(sim: dict) -> str:
 
 TABLES = {"static_efficiency": static_efficiency, "dynamic_timeouts": dynamic_timeouts,
           "prefill_stall": prefill_stall, "all_policies": all_policies, "main": all_policies}
+
+
+def sweep(rows):
+    """Any runs, one line each, named by their overrides (a Hydra multirun)."""
+    body = [[r["point"], fmt(r["throughput_tps"], 1), fmt(r["goodput_tps"], 1), fmt(r["ttft_p50_s"]),
+             fmt(r["ttft_p99_s"]), fmt(r["tpot_p50_s"] * 1e3, 0), fmt(r["itl_p99_s"] * 1e3, 0),
+             f"{r['complete']}/{r['requests']}"] for r in rows]
+    md = markdown(["run", "throughput, tok/s", "goodput, tok/s", "TTFT p50, s", "TTFT p99, s", "TPOT p50, ms",
+                   "ITL p99, ms", "complete"], body)
+    return md + "\n\nAll measured.", metrics_of(rows, ["throughput_tps", "goodput_tps", "ttft_p99_s"])
