@@ -7,6 +7,7 @@ Attention runs in two batched calls per layer, never a loop over sequences:
   decodes (one query each) against a no-copy view of the first seats of the cache,
   prompt chunks (padded to the longest chunk) against a gather of their seats.
 """
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +55,14 @@ class AttentionPlan:
     pre_dense: bool = False      # only whole prompts, all of one length: this step's q, k, v are the grid
 
 
+_BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Hugging Face model -> its FlatModel
+
+
 class FlatModel:
     def __init__(self, hf_model):
         cfg = hf_model.config
         if cfg.model_type not in SUPPORTED:
             raise ValueError(f"model_type {cfg.model_type!r} is not supported; the engine runs {SUPPORTED}")
-        self.hf = hf_model
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -86,6 +89,13 @@ class FlatModel:
                     Dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()),
                     Dense(mlp.down_proj.weight.t()),
                 ))
+
+    @classmethod
+    def of(cls, hf_model) -> "FlatModel":
+        """The engine's copy of a model's weights, built and packed once per model object (about 1 s here)."""
+        if hf_model not in _BUILT:
+            _BUILT[hf_model] = cls(hf_model)
+        return _BUILT[hf_model]
 
     @property
     def dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ CACHES = {"slot": SlotCache, "cat": CatCache}
 
 class ModelRunner:
     def __init__(self, hf_model, num_seats: int, capacity: int, cache: str = "slot", seed: int = 0, eos_ids=()):
-        self.net = FlatModel(hf_model)
+        self.net = FlatModel.of(hf_model)
         self.device = self.net.embed.device
         self.capacity = capacity
         self.cache = CACHES[cache](self.net.num_layers, num_seats, capacity, self.net.num_kv_heads,

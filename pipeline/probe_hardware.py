@@ -50,7 +50,7 @@ def main(cfg) -> dict:
     torch.set_num_threads(int(cfg.threads))
     dev = cfg.precision.device
     model, _ = load_model(cfg.model, cfg.precision.dtype, dev)
-    net = FlatModel(model)
+    net = FlatModel.of(model)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = params * net.embed.element_size()
     bw = bandwidth_gbs(dev)
