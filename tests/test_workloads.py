@@ -22,8 +22,9 @@ def test_same_seed_same_workload_and_other_seed_differs():
 
 
 def test_output_lengths_and_arrival_rate():
-    w = build(cfg("workload.num_requests=2000", "workload.output.sigma=0.4", "load.multiple=0.5"))
-    assert w["output_tokens"].mean() == pytest.approx(32, rel=0.05)
+    c = cfg("workload.num_requests=2000", "workload.output.sigma=0.4", "load.multiple=0.5")
+    w = build(c)
+    assert w["output_tokens"].mean() == pytest.approx(c.workload.output.mean * c.profile.output_scale, rel=0.05)
     rate = (len(w) - 1) / w["arrival_steps"].iloc[-1]          # requests per step
     assert rate == pytest.approx(0.5 * 8 / w["output_tokens"].mean(), rel=0.1)
     assert 0.07 < w["is_long"].mean() < 0.13
