@@ -24,7 +24,8 @@ class Dense:
         self.w, self.bias = w_in_out.contiguous(), bias
         mkl = self.w.device.type == "cpu" and self.w.dtype == torch.float32 and torch.backends.mkl.is_available()
         # packed once; the layout does not depend on the row count (64 is only a hint), so any row count may use it
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.w.t(), 64) if mkl else None
+        self.w_out_in = self.w.t()  # a view: the shape MKL's packed product reads its sizes from
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.w_out_in, 64) if mkl else None
 
     @property
     def shape(self) -> torch.Size:
@@ -32,7 +33,7 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > 1:  # one row: MKL's matrix-vector path is faster unpacked
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.w.t(), self.bias, x.shape[0])
+            return torch.ops.mkl._mkl_linear(x, self.packed, self.w_out_in, self.bias, x.shape[0])
         return x @ self.w if self.bias is None else torch.addmm(self.bias, x, self.w)
 
 
@@ -137,7 +138,7 @@ class FlatModel:
         return x + wd(self.act(gate) * up)
 
     def _attend(self, layer: int, q, k, v, plan: AttentionPlan, cache) -> torch.Tensor:
-        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         if plan.pre_dense:  # equal whole prompts: no padding, no gather
             P, Q, _ = plan.pre_shape
             grid = [t.view(P, Q, -1, D).transpose(1, 2) for t in (q, k, v)]

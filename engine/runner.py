@@ -87,8 +87,6 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
         """One forward pass; returns rid -> sampled token for every chunk that samples. params: rid -> SamplingParams."""
-        if not out.chunks:
-            return {}
         ids, attn, rows = self.plan(out)
         logits = self.net.forward(ids, attn, self.cache, rows)
         sampled = [c for c in out.chunks if c.sample]

@@ -31,12 +31,11 @@ def slo_limits(slo, step_s: float) -> tuple[float, float]:
 
 def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: dict[int, float]):
     """Replay one run's workload; returns (summary row, per-request records, per-step records)."""
-    ref = int(cfg.load.get("ref_seats", cfg.policy.max_seats))
+    ref, eos = int(cfg.load.get("ref_seats", cfg.policy.max_seats)), eos_ids(model)
     if ref not in steps_cache:
-        steps_cache[ref] = calibrate_step(model, ref, int(cfg.capacity), int(wl["prompt_tokens"].median()),
-                                          eos=eos_ids(model))
+        steps_cache[ref] = calibrate_step(model, ref, int(cfg.capacity), int(wl["prompt_tokens"].median()), eos=eos)
     step_s = steps_cache[ref]
-    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.capacity), eos_ids(model), seed=int(cfg.seed))
+    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.capacity), eos, seed=int(cfg.seed))
     conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
     req, st, _ = replay(engine, wl, step_s, conc)
     ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)

@@ -77,20 +77,25 @@ def requests_for(n: int, lengths, seed: int) -> list[tuple]:
             for i in range(n)]
 
 
+def summary(out: list[dict], df: pd.DataFrame, ttft_limit: float, tpot_limit: float, label: str) -> dict:
+    """The metrics module's summary of one load run, with its error count and first error; printed."""
+    s = summarize(df, None, ttft_limit, tpot_limit)
+    errors = [r["error"] for r in out if r["error"]]
+    print(f"{label}: {s['throughput_tps']:.1f} tok/s, TTFT p50 {s['ttft_p50_s']:.3f} s, "
+          f"{s['complete']}/{s['requests']} complete", flush=True)
+    return {**s, "errors": len(errors), "first_error": errors[0] if errors else None}
+
+
 def measure(base_url, model, name, levels, n, lengths, timeout_s, slo, seed, api_key=None):
     rows, recs = [], []
     for c in levels:
         reqs = requests_for(max(n, c), lengths, seed)
         out = asyncio.run(closed_loop(base_url, model, reqs, c, timeout_s, api_key))
         df = pd.DataFrame(out).assign(is_long=False)
-        s = summarize(df, None, slo[0], slo[1])
-        errors = [r["error"] for r in out if r["error"]]
-        rows.append({"backend": name, "concurrency": c, **s, "errors": len(errors),
-                     "first_error": errors[0] if errors else None,
+        s = summary(out, df, slo[0], slo[1], f"{name} c={c}")
+        rows.append({"backend": name, "concurrency": c, **s,
                      "per_stream_tps": 1 / s["tpot_p50_s"] if s["tpot_p50_s"] == s["tpot_p50_s"] and s["tpot_p50_s"] else None})
         recs.append(df.assign(backend=name, concurrency=c))
-        print(f"{name} c={c}: {s['throughput_tps']:.1f} tok/s, TTFT p50 {s['ttft_p50_s']:.3f} s, "
-              f"{s['complete']}/{s['requests']} complete", flush=True)
     return rows, recs
 
 
@@ -111,13 +116,9 @@ def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame
     finally:
         stop(proc)
     df = pd.DataFrame(out).assign(is_long=wl["is_long"].to_numpy())
-    s = summarize(df, None, replayed["ttft_limit_s"], replayed["tpot_limit_s"])
-    print(f"{run.name}: {s['throughput_tps']:.1f} tok/s, TTFT p50 {s['ttft_p50_s']:.3f} s, "
-          f"{s['complete']}/{s['requests']} complete (in-process replay {replayed['throughput_tps']:.1f} tok/s)")
-    errors = [r["error"] for r in out if r["error"]]
+    s = summary(out, df, replayed["ttft_limit_s"], replayed["tpot_limit_s"], run.name)
     row = {"backend": run.name, "table": table, "load": f"{cfg.load.name} {cfg.load.get('multiple', '')}x".strip(),
-           **s, "errors": len(errors), "first_error": errors[0] if errors else None,
-           "replay": {k: replayed[k] for k in ("throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s",
+           **s, "replay": {k: replayed[k] for k in ("throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s",
                                                "tpot_p50_s", "requests", "complete")}}
     return row, df.assign(rid=wl["rid"].to_numpy()).drop(columns=["error"])
 

@@ -113,25 +113,22 @@ def main(cfg):
             body, m = tables.TABLES[name](rows)
             title, note = notes[name]
             parts.append(section(title, note, body))
-            metrics.update(m if name != "main" else {k.replace("main.", "main.", 1): v for k, v in m.items()})
-    cache = read(RESULTS / "cache.json")
-    if cache:
-        body, m = tables.cache(cache)
-        parts.append(section("The cache has to change first (seed 003 §3)", "Growing `torch.cat` cache against the "
-                             "slot cache.", body))
-        metrics.update(m)
-    cost = read(RESULTS / "cost_model.json")
-    if cost:
-        body, m = tables.cost_model(cost)
-        parts.append(section("Step-time cost model (seed 003 §5-6)", "step = fixed + a x prompt tokens + b x decode "
-                             "rows + c x keys attended, least squares over every measured step of the replays.", body))
-        metrics.update(m)
+            metrics.update(m)
+    for file, render, title, note in (
+            ("cache.json", tables.cache, "The cache has to change first (seed 003 §3)",
+             "Growing `torch.cat` cache against the slot cache."),
+            ("cost_model.json", tables.cost_model, "Step-time cost model (seed 003 §5-6)",
+             "step = fixed + a x prompt tokens + b x decode rows + c x keys attended, least squares over every "
+             "measured step of the replays."),
+            ("simulation.json", tables.validation, "Simulator validation (seed 003 §6)",
+             "The same scheduler on a virtual clock driven by the cost model, replaying every real run's workload.")):
+        result = read(RESULTS / file)
+        if result:
+            body, m = render(result)
+            parts.append(section(title, note, body))
+            metrics.update(m)
     sim = read(RESULTS / "simulation.json")
     if sim:
-        body, m = tables.validation(sim)
-        parts.append(section("Simulator validation (seed 003 §6)", "The same scheduler on a virtual clock driven by "
-                             "the cost model, replaying every real run's workload.", body))
-        metrics.update(m)
         parts.append(section("Load sweep (simulated)", "Load as a multiple of full-batch decode capacity.",
                              tables.sweep_table(sim, "load.multiple", "load") + "\n\n" + tables.goodput_knees(sim)
                              + "\n\n" + static_fill_wait(sim, cfg)))

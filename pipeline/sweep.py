@@ -50,14 +50,14 @@ class Collect(Callback):
         if not done:
             print(f"sweep: no finished runs under {root}")
             return
-        rows = [json.loads(p.read_text())["rows"][0] for p in done]
+        saved = [json.loads(p.read_text()) for p in done]
+        rows = [s["rows"][0] for s in saved]
         fixed = [o for o in rows[0]["point"].split() if all(o in r["point"].split() for r in rows)]
         name = {r["point"]: " ".join(o for o in r["point"].split() if o not in fixed) or "default" for r in rows}
         rows = [{**r, "point": name[r["point"]]} for r in rows]  # runs named by what varies between them
         reqs = [pd.read_parquet(p.with_name("run.parquet")).assign(point=r["point"]) for p, r in zip(done, rows)]
         steps = [pd.read_parquet(p.with_name("run_steps.parquet")).assign(point=r["point"]) for p, r in zip(done, rows)]
-        meta = {"fixed": fixed, "runs": [str(p.parent) for p in done],
-                "environment": json.loads(done[0].read_text())["environment"]}
+        meta = {"fixed": fixed, "runs": [str(p.parent) for p in done], "environment": saved[0]["environment"]}
         save_table(root, "sweep", rows, reqs, steps, meta)
         md, _ = sweep(rows)
         write_text(root / "SWEEP.md", f"# Sweep\n\n{len(rows)} runs of `python -m pipeline.sweep -m`, one per job, "

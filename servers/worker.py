@@ -7,7 +7,6 @@ marks the worker down (503 and /health).
 import queue
 import threading
 from abc import ABC, abstractmethod
-import time
 import traceback
 
 from engine import LLMEngine, SamplingParams

@@ -8,7 +8,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
 from engine import LLMEngine
@@ -54,6 +53,12 @@ class Server:
             time.sleep(0.01)
         self.url = f"http://127.0.0.1:{self.port}"
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
         self.server.should_exit = True
         self.thread.join(timeout=10)
@@ -67,16 +72,14 @@ BACKENDS = {"engine": {"name": "continuous", "max_seats": 4},
 
 @pytest.fixture(params=list(BACKENDS))
 def any_server(chat_model, request):
-    s = Server(*chat_model, BACKENDS[request.param])
-    yield s
-    s.close()
+    with Server(*chat_model, BACKENDS[request.param]) as s:
+        yield s
 
 
 @pytest.fixture()
 def server(chat_model):
-    s = Server(*chat_model, BACKENDS["engine"])
-    yield s
-    s.close()
+    with Server(*chat_model, BACKENDS["engine"]) as s:
+        yield s
 
 
 def client(s, key="none"):
@@ -150,20 +153,16 @@ def test_bad_input_gets_its_status_and_message(server, body, _, status, text):
 
 
 def test_api_key(chat_model):
-    s = Server(*chat_model, {"name": "continuous", "max_seats": 2}, api_key="sekret")
-    try:
+    with Server(*chat_model, {"name": "continuous", "max_seats": 2}, api_key="sekret") as s:
         with pytest.raises(openai.AuthenticationError):
             client(s, "wrong").models.list()
         assert client(s, "sekret").models.list().data[0].id == "tiny-chat"
         assert httpx.get(f"{s.url}/health").status_code == 200  # health needs no key
-    finally:
-        s.close()
 
 
 def test_pure_static_never_answers_a_lone_request(chat_model):
     """max_batch 8 and no deadline: a lone request waits forever (seed 000's break-it); leaving dequeues it."""
-    s = Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=4)
-    try:
+    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=4) as s:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         with pytest.raises(httpx.ReadTimeout):
             with httpx.Client(timeout=httpx.Timeout(10, read=1.0)) as h:
@@ -174,13 +173,10 @@ def test_pure_static_never_answers_a_lone_request(chat_model):
         while s.worker.queued() and time.time() < deadline:
             time.sleep(0.01)
         assert s.worker.queued() == 0
-    finally:
-        s.close()
 
 
 def test_429_with_retry_after(chat_model):
-    s = Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=1)
-    try:
+    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=1) as s:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         def waiter():  # never answered: static waits for 8; its timeout is expected
             with pytest.raises(httpx.ReadTimeout):
@@ -192,16 +188,13 @@ def test_429_with_retry_after(chat_model):
             time.sleep(0.01)
         r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=10)
         assert r.status_code == 429 and r.headers["retry-after"] == "1" and "queue" in r.json()["error"]["message"]
-    finally:
-        s.close()
 
 
 @pytest.mark.parametrize("backend", ["engine", "batcher"])
 def test_disconnect_frees_the_seat(chat_model, backend):
     one_seat = {"engine": {"name": "continuous", "max_seats": 1},
                 "batcher": {"name": "generate", "max_batch": 1, "max_wait_ms": 0}}
-    s = Server(*chat_model, one_seat[backend])
-    try:
+    with Server(*chat_model, one_seat[backend]) as s:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=10) as h:
             with h.stream("POST", f"{s.url}/v1/chat/completions", json=body) as r:
@@ -215,13 +208,10 @@ def test_disconnect_frees_the_seat(chat_model, backend):
         r = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=3, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
-    finally:
-        s.close()
 
 
 def test_engine_failure_fails_requests_and_shows_on_health(chat_model):
-    s = Server(*chat_model, {"name": "continuous", "max_seats": 2})
-    try:
+    with Server(*chat_model, {"name": "continuous", "max_seats": 2}) as s:
         def boom():
             raise RuntimeError("simulated fault")
         s.engine.runner.run = lambda *a, **k: boom()
@@ -232,8 +222,6 @@ def test_engine_failure_fails_requests_and_shows_on_health(chat_model):
         assert h.status_code == 503 and "simulated fault" in h.json()["error"]
         assert httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                           timeout=10).status_code == 503
-    finally:
-        s.close()
 
 
 def test_metrics_named_like_vllm(server):
