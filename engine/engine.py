@@ -9,10 +9,12 @@ from engine.scheduler import StepEvent
 
 class LLMEngine:
     def __init__(self, hf_model, policy_cfg, capacity: int, eos_ids=(), cache: str = "slot", seed: int = 0,
-                 clock=time.perf_counter, runner=None):
-        """runner: a ready runner (the simulator's) instead of a ModelRunner over hf_model."""
+                 clock=time.perf_counter, runner=None, compile: bool = False):
+        """runner: a ready runner (the simulator's) instead of a ModelRunner over hf_model; compile: run steps of
+        decodes only through torch.compile (FlatModel.forward)."""
         self.scheduler = make_scheduler(policy_cfg, capacity, eos_ids)
-        self.runner = runner or ModelRunner(hf_model, self.scheduler.seats.num_seats, capacity, cache, seed, eos_ids)
+        self.runner = runner or ModelRunner(hf_model, self.scheduler.seats.num_seats, capacity, cache, seed, eos_ids,
+                                            compile)
         self.capacity = capacity
         self.vocab_size = self.runner.vocab_size
         self.clock = clock

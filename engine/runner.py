@@ -14,8 +14,10 @@ CACHES = {"slot": SlotCache, "cat": CatCache}
 
 
 class ModelRunner:
-    def __init__(self, hf_model, num_seats: int, capacity: int, cache: str = "slot", seed: int = 0, eos_ids=()):
+    def __init__(self, hf_model, num_seats: int, capacity: int, cache: str = "slot", seed: int = 0, eos_ids=(),
+                 compile: bool = False):
         self.net = FlatModel.of(hf_model)
+        self.compile = compile  # decode-only steps through torch.compile (FlatModel.forward)
         self.device = self.net.embed.device
         self.capacity = capacity
         self.cache = CACHES[cache](self.net.num_layers, num_seats, capacity, self.net.num_kv_heads,
@@ -65,9 +67,12 @@ class ModelRunner:
         seat_len = [1] * num_seats           # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
             seat_len[s] = n
-        masked = torch.arange(length, device=self.device)[None, :] >= self._tensor(seat_len)[:, None]
-        bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, float("-inf"))
-        return self._tensor(tok), self._tensor(seats), num_seats, length, bias[:, None, None, :], dense
+        bias = None
+        if any(n != length for n in seat_len):
+            masked = torch.arange(length, device=self.device)[None, :] >= self._tensor(seat_len)[:, None]
+            bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
+            bias = bias[:, None, None, :]
+        return self._tensor(tok), self._tensor(seats), num_seats, length, bias, dense
 
     def _prefill_part(self, tok, slot, seats, spans, qmax, num_tokens):
         if not tok:
@@ -88,7 +93,7 @@ class ModelRunner:
     def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
         """One forward pass; returns rid -> sampled token for every chunk that samples. params: rid -> SamplingParams."""
         ids, attn, rows = self.plan(out)
-        logits = self.net.forward(ids, attn, self.cache, rows)
+        logits = self.net.forward(ids, attn, self.cache, rows, self.compile)
         sampled = [c for c in out.chunks if c.sample]
         rids = [c.rid for c in sampled]
         return dict(zip(rids, self.sampler(logits, rids, [params[r] for r in rids])))

@@ -36,10 +36,10 @@ def hf_reference(model, prompt: list[int], n: int) -> list[int]:
 
 
 def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]], capacity: int = 256,
-                 runner_cls=None, max_steps: int = 5000) -> dict[str, list[int]]:
+                 runner_cls=None, max_steps: int = 5000, compile: bool = False) -> dict[str, list[int]]:
     """Arrivals at given steps on a virtual clock of 1 s per step; returns rid -> output tokens."""
     clock = [0.0]
-    eng = LLMEngine(model, policy, capacity, eos_ids=eos_ids(model), clock=lambda: clock[0])
+    eng = LLMEngine(model, policy, capacity, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile)
     if runner_cls is not None:
         eng.runner.__class__ = runner_cls
     reqs, step = {}, 0

@@ -74,6 +74,18 @@ def test_real_model_seed_scenario(smollm2, policy):
         assert out[str(i)] == ref[i], (i, tok.decode(ref[i]), tok.decode(out[str(i)]))
 
 
+@pytest.mark.slow
+def test_compiled_decode_steps_match_generate(references):
+    """FlatModel.compile: the steps of decodes only run through torch.compile (graphs of one and of several rows,
+    with and without a length mask); the tokens stay those of generate."""
+    name, model, prompts, ref = references
+    out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
+    one = run_scenario(model, {"name": "continuous", "max_seats": 1}, prompts[:2], LENS[:2], {0: [0, 1]},
+                       compile=True)
+    assert [out[str(i)] for i in range(6)] == ref, name
+    assert [one["0"], one["1"]] == ref[:2], name
+
+
 def test_left_padding_costs_tokens_not_correctness(references):
     """pad_prompts: the batch's prompts padded to its longest, computed and discarded; the answers do not change."""
     name, model, prompts, ref = references

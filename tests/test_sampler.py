@@ -2,7 +2,7 @@
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, first_argmax
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
@@ -11,6 +11,16 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     greedy = logits.argmax(-1).tolist()
     assert s(logits.clone(), list("abcd"), [SamplingParams(temperature=1.0, top_k=1)] * 4) == greedy
     assert s(logits.clone(), list("efgh"), [SamplingParams(temperature=1.0, top_p=1e-6)] * 4) == greedy
+
+
+def test_first_argmax_is_argmax_with_ties():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(4, 4096), (1, 3072), (3, 1000), (2, 1024)]:
+        for x in (torch.randn(shape, generator=g), torch.randint(0, 3, shape, generator=g).float()):
+            assert torch.equal(first_argmax(x), x.argmax(-1)), shape
+    x = torch.zeros(2, 4096)
+    x[:, [5, 1030, 4000]] = 1.0  # the maximum in three blocks: the first one wins
+    assert first_argmax(x).tolist() == [5, 5]
 
 
 def test_sampling_follows_the_distribution():
