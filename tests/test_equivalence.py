@@ -76,8 +76,8 @@ def test_real_model_seed_scenario(smollm2, policy):
 
 @pytest.mark.slow
 def test_compiled_decode_steps_match_generate(references):
-    """FlatModel.compile: the steps of decodes only run through torch.compile (graphs of one and of several rows,
-    with and without a length mask); the tokens stay those of generate."""
+    """FlatModel.forward(compiled=True): the steps of decodes only run through torch.compile (graphs of one and of
+    several rows, with and without a length mask); the tokens stay those of generate."""
     name, model, prompts, ref = references
     out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
     one = run_scenario(model, {"name": "continuous", "max_seats": 1}, prompts[:2], LENS[:2], {0: [0, 1]},
