@@ -8,14 +8,14 @@ from engine.scheduler import StepEvent
 
 
 class LLMEngine:
-    def __init__(self, hf_model, policy_cfg, capacity: int, eos_ids=(), cache: str = "slot", seed: int = 0,
+    def __init__(self, hf_model, policy_cfg, seat_tokens: int, eos_ids=(), cache: str = "slot", seed: int = 0,
                  clock=time.perf_counter, runner=None, compile: bool = False):
         """runner: a ready runner (the simulator's) instead of a ModelRunner over hf_model; compile: run steps of
         decodes only through torch.compile (FlatModel.forward)."""
-        self.scheduler = make_scheduler(policy_cfg, capacity, eos_ids)
-        self.runner = runner or ModelRunner(hf_model, self.scheduler.seats.num_seats, capacity, cache, seed, eos_ids,
+        self.scheduler = make_scheduler(policy_cfg, seat_tokens, eos_ids)
+        self.runner = runner or ModelRunner(hf_model, self.scheduler.seats.num_seats, seat_tokens, cache, seed, eos_ids,
                                             compile)
-        self.capacity = capacity
+        self.seat_tokens = seat_tokens
         self.vocab_size = self.runner.vocab_size
         self.clock = clock
         self.t0 = clock()
@@ -41,10 +41,10 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
             raise RequestError("prompt", f"token ids must be integers in [0, {self.vocab_size})")
         params.validate(self.vocab_size)
-        if len(prompt) + params.max_new_tokens > self.capacity:
+        if len(prompt) + params.max_new_tokens > self.seat_tokens:
             raise RequestError("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                f"({params.max_new_tokens}) = {len(prompt) + params.max_new_tokens} exceeds "
-                               f"the seat capacity of {self.capacity} tokens")
+                               f"seat_tokens = {self.seat_tokens} (tokens per seat)")
 
     def abort(self, rid: str) -> StepEvent | None:
         event = self.scheduler.abort(rid, self.now())
@@ -72,15 +72,11 @@ class LLMEngine:
         for e in events:
             if e.finish_reason:
                 self.runner.sampler.forget(e.rid)
-        rows = [c for c in plan.chunks if c.sample]
         self.steps.append({"start": start, "duration": end - start, "kind": plan.kind,
                            "num_tokens": plan.total_tokens, "num_pad_tokens": plan.num_pad_tokens,
-                           "num_prompt_tokens": sum(len(c.tokens) for c in plan.chunks if c.prompt),
-                           "num_decode_rows": sum(1 for c in plan.chunks if not c.prompt),
-                           "kv_tokens": sum(c.start + len(c.tokens) for c in plan.chunks),  # keys attended
-                           "useful_rows": sum(1 for c in rows if not c.zombie),  # rows whose token is kept
-                           "computed_rows": len(rows),                           # rows that made a token
-                           "num_new": len(plan.new_ids)})
+                           "num_prompt_tokens": plan.num_prompt_tokens, "num_decode_rows": plan.num_decode_rows,
+                           "kv_tokens": plan.kv_tokens, "useful_rows": plan.num_useful_rows,
+                           "computed_rows": plan.num_sampled_rows, "num_new": len(plan.new_ids)})
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

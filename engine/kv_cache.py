@@ -7,12 +7,12 @@ import torch
 
 
 class SlotCache:
-    def __init__(self, num_layers: int, num_seats: int, capacity: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_seats: int, seat_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        shape = (num_seats, num_kv_heads, capacity, head_dim)  # [seat, kv head, position, dim]
+        shape = (num_seats, num_kv_heads, seat_tokens, head_dim)  # [seat, kv head, position, dim]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.capacity = capacity
+        self.seat_tokens = seat_tokens
         self._heads = torch.arange(num_kv_heads, device=device)[None, :]
 
     @property
@@ -21,7 +21,7 @@ class SlotCache:
 
     def slots(self, seats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat row index [T * kv heads] of each (token, kv head) in a [seat * head * position, dim] view."""
-        heads, cap = self._heads.shape[1], self.capacity
+        heads, cap = self._heads.shape[1], self.seat_tokens
         return ((seats[:, None] * heads + self._heads) * cap + positions[:, None]).view(-1)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -42,10 +42,10 @@ class SlotCache:
 class CatCache(SlotCache):
     """Starts empty and grows by torch.cat along positions, copying the whole cache each time (seed 003 §3)."""
 
-    def __init__(self, num_layers: int, num_seats: int, capacity: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_seats: int, seat_tokens: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
         super().__init__(num_layers, num_seats, 0, num_kv_heads, head_dim, dtype, device)
-        self.capacity = capacity
+        self.seat_tokens = seat_tokens
         self.copied_bytes = 0  # bytes copied by torch.cat since construction
 
     def slots(self, seats, positions):

@@ -26,14 +26,14 @@ class Continuous(Scheduler):
         new = self._admit_waiting(now)
         prefill = [r for r in self.running if r.in_prompt]
         rows = prefill or self.running
-        return self._output([self._chunk(r, self.capacity) for r in rows], new)
+        return self._output([self._chunk(r, self.seat_tokens) for r in rows], new)
 
 
 class Naive(Continuous):
     """One request at a time, first come first served: continuous with a single seat."""
 
-    def __init__(self, num_seats: int, capacity: int, eos_ids=()):
-        super().__init__(1, capacity, eos_ids)
+    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=()):
+        super().__init__(1, seat_tokens, eos_ids)
 
 
 class Mixed(Continuous):
@@ -41,14 +41,14 @@ class Mixed(Continuous):
 
     def schedule(self, now: float) -> SchedulerOutput:
         new = self._admit_waiting(now)
-        return self._output([self._chunk(r, self.capacity) for r in self.running], new)
+        return self._output([self._chunk(r, self.seat_tokens) for r in self.running], new)
 
 
 class Chunked(Continuous):
     """A per-step token budget: decodes first, then prompt chunks; a cut prompt continues next step."""
 
-    def __init__(self, num_seats: int, capacity: int, eos_ids=(), token_budget: int = 128):
-        super().__init__(num_seats, capacity, eos_ids)
+    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=(), token_budget: int = 128):
+        super().__init__(num_seats, seat_tokens, eos_ids)
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.token_budget = token_budget
@@ -79,10 +79,10 @@ class Dynamic(Scheduler):
 
     holds_finished = True
 
-    def __init__(self, num_seats: int, capacity: int, eos_ids=(), max_batch: int = 8,
+    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=(), max_batch: int = 8,
                  max_wait_ms: float = 50.0, pad_prompts: bool = False):
         self.max_batch = min(num_seats, max_batch)
-        super().__init__(self.max_batch + int(pad_prompts), capacity, eos_ids)
+        super().__init__(self.max_batch + int(pad_prompts), seat_tokens, eos_ids)
         self.max_wait = max_wait_ms / 1000.0  # s; inf = pure static
         self.pad_seat = self.seats.allocate() if pad_prompts else None  # scratch row where pad tokens are computed
         self.batch_sizes: list[int] = []      # launched batch sizes, in order
@@ -106,11 +106,11 @@ class Dynamic(Scheduler):
         for r in batch:
             self._admit(r, now)
         self.batch_sizes.append(len(batch))
-        chunks = [self._chunk(r, self.capacity) for r in batch]
+        chunks = [self._chunk(r, self.seat_tokens) for r in batch]
         longest = max(len(r.prompt) for r in batch)
         pads = sum(longest - len(r.prompt) for r in batch) if self.pad_seat is not None else 0
-        for start in range(0, pads, self.capacity):  # left-padding's tax: real tokens through every layer, discarded
-            chunks.append(ScheduledChunk(PAD, self.pad_seat, 0, (0,) * min(self.capacity, pads - start),
+        for start in range(0, pads, self.seat_tokens):  # left-padding's tax: real tokens through every layer, discarded
+            chunks.append(ScheduledChunk(PAD, self.pad_seat, 0, (0,) * min(self.seat_tokens, pads - start),
                                          sample=False, prompt=True))
         return self._output(chunks, batch, pads)
 
@@ -118,8 +118,8 @@ class Dynamic(Scheduler):
 class Static(Dynamic):
     """Wait for a full batch of `max_batch`, with no deadline (a lone request waits forever)."""
 
-    def __init__(self, num_seats: int, capacity: int, eos_ids=(), max_batch: int = 8, pad_prompts: bool = False):
-        super().__init__(num_seats, capacity, eos_ids, max_batch, math.inf, pad_prompts)
+    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=(), max_batch: int = 8, pad_prompts: bool = False):
+        super().__init__(num_seats, seat_tokens, eos_ids, max_batch, math.inf, pad_prompts)
 
 
 class Bucketed(Dynamic):
@@ -142,9 +142,9 @@ POLICIES = {"naive": Naive, "static": Static, "dynamic": Dynamic, "bucketed": Bu
             "continuous": Continuous, "mixed": Mixed, "chunked": Chunked}
 
 
-def make_scheduler(policy_cfg, capacity: int, eos_ids=()) -> Scheduler:
+def make_scheduler(policy_cfg, seat_tokens: int, eos_ids=()) -> Scheduler:
     """Build the scheduler for a conf/policy entry: {name, max_seats, ...knobs}."""
     knobs = {k: v for k, v in dict(policy_cfg).items() if k not in ("name", "max_seats")}
     if policy_cfg["name"] not in POLICIES:
         raise ValueError(f"unknown policy {policy_cfg['name']!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[policy_cfg["name"]](int(policy_cfg["max_seats"]), capacity, eos_ids, **knobs)
+    return POLICIES[policy_cfg["name"]](int(policy_cfg["max_seats"]), seat_tokens, eos_ids, **knobs)

@@ -40,6 +40,13 @@ class SamplingParams:
              f"must be token ids in [0, {vocab_size})")
 
 
+def stop_reason(params: SamplingParams, eos_ids, token: int, num_output: int) -> str | None:
+    """Why a request ends after appending `token` as its `num_output`-th token: "stop", "length", or None."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
+        return "stop"
+    return "length" if num_output >= params.max_new_tokens else None
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -14,13 +14,13 @@ CACHES = {"slot": SlotCache, "cat": CatCache}
 
 
 class ModelRunner:
-    def __init__(self, hf_model, num_seats: int, capacity: int, cache: str = "slot", seed: int = 0, eos_ids=(),
+    def __init__(self, hf_model, num_seats: int, seat_tokens: int, cache: str = "slot", seed: int = 0, eos_ids=(),
                  compile: bool = False):
         self.net = FlatModel.of(hf_model)
         self.compile = compile  # decode-only steps through torch.compile (FlatModel.forward)
         self.device = self.net.embed.device
-        self.capacity = capacity
-        self.cache = CACHES[cache](self.net.num_layers, num_seats, capacity, self.net.num_kv_heads,
+        self.seat_tokens = seat_tokens
+        self.cache = CACHES[cache](self.net.num_layers, num_seats, seat_tokens, self.net.num_kv_heads,
                                    self.net.head_dim, self.net.dtype, self.device)
         self.sampler = Sampler(seed, eos_ids)
 

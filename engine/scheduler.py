@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.request import Request, Status
+from engine.request import Request, Status, stop_reason
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,31 @@ class SchedulerOutput:
     @property
     def total_tokens(self) -> int:
         return sum(len(c.tokens) for c in self.chunks)  # padding chunks included
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens fed this step (whole prompts, chunks and padding)."""
+        return sum(len(c.tokens) for c in self.chunks if c.prompt)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """One-token decode rows this step (zombie rows included: they are computed)."""
+        return sum(1 for c in self.chunks if not c.prompt)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Keys attended this step: each chunk attends to every position up to its last token."""
+        return sum(c.start + len(c.tokens) for c in self.chunks)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows that produce a token (zombies included)."""
+        return sum(1 for c in self.chunks if c.sample)
+
+    @property
+    def num_useful_rows(self) -> int:
+        """Rows whose token is kept."""
+        return sum(1 for c in self.chunks if c.sample and not c.zombie)
 
     @property
     def kind(self) -> str:
@@ -78,9 +103,9 @@ class Scheduler(ABC):
 
     holds_finished = False
 
-    def __init__(self, num_seats: int, capacity: int, eos_ids=()):
+    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=()):
         self.seats = SeatTable(num_seats)
-        self.capacity = capacity                      # tokens per seat
+        self.seat_tokens = seat_tokens                      # tokens per seat
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []              # holding a seat, admission order
@@ -129,17 +154,11 @@ class Scheduler(ABC):
             token = sampled[ch.rid]
             req.output.append(token)
             req.token_times.append(now)
-            reason = self._stop_reason(req, token)
+            reason = stop_reason(req.params, self.eos_ids, token, len(req.output))
             if reason:
                 self._finish(req, reason, now)
             events.append(StepEvent(req.rid, token, reason))
         return events
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            return "stop"
-        return "length" if len(req.output) >= p.max_new_tokens else None
 
     # --- helpers for policies --------------------------------------------------------------
     def _admit(self, req: Request, now: float) -> None:
@@ -175,7 +194,7 @@ class Scheduler(ABC):
 
     def _zombie(self, req: Request) -> ScheduledChunk:
         """A finished row's dummy decode: its last token again, at its next position (clamped to the seat)."""
-        start = min(req.num_computed, self.capacity - 1)
+        start = min(req.num_computed, self.seat_tokens - 1)
         return ScheduledChunk(req.rid, req.seat, start, (req.output[-1] if req.output else req.prompt[-1],),
                               sample=True, prompt=False, zombie=True)
 

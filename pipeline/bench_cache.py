@@ -8,8 +8,7 @@ import time
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.loader import load_model
-from pipeline.config import ROOT, load
+from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json
 
@@ -39,8 +38,7 @@ def measure(model, cache: str, context: int) -> dict:
 
 
 def main(cfg) -> list[dict]:
-    torch.set_num_threads(int(cfg.threads))
-    model, _ = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, _ = load_configured_model(cfg)
     net_kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
         (getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads)
     rows = []

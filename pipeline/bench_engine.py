@@ -10,8 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from engine import LLMEngine
-from engine.loader import eos_ids, load_model
-from pipeline.config import ROOT, load
+from engine.loader import eos_ids
+from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json, write_parquet
 from pipeline.metrics import summarize
@@ -33,9 +33,9 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
     """Replay one run's workload; returns (summary row, per-request records, per-step records)."""
     ref, eos = int(cfg.load.get("ref_seats", cfg.policy.max_seats)), eos_ids(model)
     if ref not in steps_cache:
-        steps_cache[ref] = calibrate_step(model, ref, int(cfg.capacity), int(wl["prompt_tokens"].median()), eos=eos)
+        steps_cache[ref] = calibrate_step(model, ref, int(cfg.seat_tokens), int(wl["prompt_tokens"].median()), eos=eos)
     step_s = steps_cache[ref]
-    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.capacity), eos, seed=int(cfg.seed))
+    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.seat_tokens), eos, seed=int(cfg.seed))
     conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
     req, st, _ = replay(engine, wl, step_s, conc)
     ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
@@ -75,8 +75,7 @@ def run_table(model, base, table: str) -> list[dict]:
 
 
 def main(cfg, tables: list[str]):
-    torch.set_num_threads(int(cfg.threads))
-    model, _ = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, _ = load_configured_model(cfg)
     for table in tables:
         run_table(model, cfg, table)
 

@@ -23,8 +23,8 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from engine.loader import eos_ids, load_model
-from pipeline.config import ROOT, load
+from engine.loader import eos_ids
+from pipeline.config import ROOT, load, load_configured_model
 from pipeline.engine_speed import engine_run, hf_generate
 from pipeline.env import environment
 from pipeline.io import write_json, write_parquet, write_text
@@ -41,9 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cfg, run, port: int, capacity: int) -> subprocess.Popen:
+def start(cfg, run, port: int, seat_tokens: int) -> subprocess.Popen:
     args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={cfg.precision.name}",
-            f"server={run.server}", f"port={port}", f"server.capacity={capacity}", "server.max_waiting=4096",
+            f"server={run.server}", f"port={port}", f"server.seat_tokens={seat_tokens}", "server.max_waiting=4096",
             f"threads={cfg.threads}", f"seed={cfg.seed}",
             *([f"policy={run.policy}", f"policy.max_seats={run.seats}"] if run.server == "engine" else []),
             *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}" for k, v in (run.get("knobs") or {}).items()]]
@@ -108,7 +108,7 @@ def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame
                             "seats": cfg.policy.max_seats,
                             "knobs": {k: v for k, v in cfg.policy.items() if k not in ("name", "max_seats")}})
     port = free_port()
-    proc = start(cfg, run, port, int(cfg.capacity))
+    proc = start(cfg, run, port, int(cfg.seat_tokens))
     try:
         reqs = [(list(map(int, p)), int(n)) for p, n in zip(wl["prompt"], wl["output_tokens"])]
         arrivals = (wl["arrival_steps"] * replayed["step_s"]).tolist()
@@ -125,7 +125,7 @@ def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame
 
 def references(cfg, n: int, max_tokens: int) -> dict:
     """The same c=64 requests in-process: the engine (64 seats) and HF generate on a padded batch."""
-    model, tok = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, tok = load_configured_model(cfg)
     prompts = [chat_ids(tok, text) for text, _ in requests_for(n, max_tokens, 0)]
     eos = eos_ids(model)
     engine_run(model, prompts[:2], 4, eos)  # warm-up
@@ -172,11 +172,11 @@ def main(cfg):
                        cfg.seed, key)
         rows, recs = rows + r, recs + d
     else:
-        capacity = 512 + max(b.max_tokens, *b.mixed.max_tokens)
+        seat_tokens = 512 + max(b.max_tokens, *b.mixed.max_tokens)
         for run in [*b.runs, {**b.break_static, "name": "static (no deadline)"}]:
             run = type(b)(run) if isinstance(run, dict) else run
             port = free_port()
-            proc = start(cfg, run, port, capacity)
+            proc = start(cfg, run, port, seat_tokens)
             try:
                 url = f"http://127.0.0.1:{port}/v1"
                 r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
@@ -190,7 +190,6 @@ def main(cfg):
             rows, recs = rows + r, recs + d
         c64 = [r for r in rows if r["backend"] == "continuous" and r["concurrency"] == 64]
         if c64:
-            torch.set_num_threads(int(cfg.threads))
             ref = {**references(cfg, c64[0]["requests"], int(b.max_tokens)), "server_tps": c64[0]["throughput_tps"]}
         if b.get("open_loop"):
             opened, open_recs = open_loop_run(cfg, b.open_loop.table, float(b.timeout_s))

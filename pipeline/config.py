@@ -15,6 +15,16 @@ def compose_config(overrides: list[str] = ()) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+def load_configured_model(cfg):
+    """(model, tokenizer or None) for a composed config, with torch's CPU threads set first (cfg.threads)."""
+    import torch
+
+    from engine.loader import load_model
+
+    torch.set_num_threads(int(cfg.threads))
+    return load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+
+
 def load(argv: list[str] | None = None) -> DictConfig:
     """params.yaml when run without arguments (as DVC does), else conf/ with the given overrides."""
     argv = sys.argv[1:] if argv is None else argv

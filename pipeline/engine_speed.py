@@ -12,8 +12,9 @@ import time
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.loader import eos_ids, load_model
-from pipeline.config import ROOT, load
+from engine.hf import generate_padded
+from engine.loader import eos_ids
+from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import PeakRSS, environment
 from pipeline.io import write_json
 from pipeline.prompts import prompts_for
@@ -21,20 +22,15 @@ from pipeline.prompts import prompts_for
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
     """Seconds for one left-padded batch generate of exactly new_tokens tokens per row."""
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
     t = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=pad_id)
+    generate_padded(model, prompts, new_tokens, pad_id)
     return time.perf_counter() - t
 
 
 def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False) -> dict:
     """One engine run of B requests arriving together; total and first-step (prefill) seconds, cache size."""
-    capacity = max(map(len, prompts)) + new_tokens
-    eng = LLMEngine(model, {"name": "continuous", "max_seats": len(prompts)}, capacity, eos, compile=compile)
+    seat_tokens = max(map(len, prompts)) + new_tokens
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": len(prompts)}, seat_tokens, eos, compile=compile)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     with PeakRSS() as rss:
         t = time.perf_counter()
@@ -44,7 +40,7 @@ def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False) -> d
             eng.step()
         total = time.perf_counter() - t
     return {"total": total, "prefill": eng.steps[0]["duration"], "rss": rss.peak_mb,
-            "kv": eng.runner.cache.nbytes, "kv_per_token": eng.runner.net.kv_bytes_per_token, "capacity": capacity}
+            "kv": eng.runner.cache.nbytes, "kv_per_token": eng.runner.net.kv_bytes_per_token, "seat_tokens": seat_tokens}
 
 
 def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compile: bool = False) -> dict:
@@ -62,16 +58,15 @@ def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compi
            "engine_decode_tps": B * (n - 1) / (best["total"] - best["prefill"]),
            "hf_decode_tps": B * (n - 1) / (hf_total - hf_prefill),
            "engine_peak_rss_mb": max(r["rss"] for r in eng), "kv_cache_bytes": best["kv"],
-           "kv_bytes_expected": B * best["capacity"] * best["kv_per_token"], "compile": compile}
+           "kv_bytes_expected": B * best["seat_tokens"] * best["kv_per_token"], "compile": compile}
     row["ratio"] = row["engine_tps"] / row["hf_tps"]
     row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
     return row
 
 
 def main(cfg) -> list[dict]:
-    torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(int(cfg.seed))
-    model, tokenizer = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, tokenizer = load_configured_model(cfg)
     eos = eos_ids(model)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     bench = cfg.bench.engine_speed

@@ -1,15 +1,16 @@
 """Seed 000's equivalence scenario: six requests, three seats, staggered arrivals, one step per virtual second.
 
 Stage check_equivalence runs it for every policy on the configured model and fails if any token differs from
-Hugging Face generate run on each request alone. Tests reuse `run_scenario` and `hf_reference`.
+Hugging Face generate run on each request alone. Tests reuse `run_scenario` and `generate_alone` (engine.hf).
 """
 import sys
 
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.loader import eos_ids, load_model
-from pipeline.config import ROOT, load
+from engine.hf import generate_alone
+from engine.loader import eos_ids
+from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json
 from pipeline.prompts import CHAT, chat_ids
@@ -27,19 +28,11 @@ POLICIES = [
 ]
 
 
-def hf_reference(model, prompt: list[int], n: int) -> list[int]:
-    """Hugging Face generate on one request alone: greedy, exactly n new tokens."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]], capacity: int = 256,
+def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]], seat_tokens: int = 256,
                  runner_cls=None, max_steps: int = 5000, compile: bool = False) -> dict[str, list[int]]:
     """Arrivals at given steps on a virtual clock of 1 s per step; returns rid -> output tokens."""
     clock = [0.0]
-    eng = LLMEngine(model, policy, capacity, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile)
+    eng = LLMEngine(model, policy, seat_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile)
     if runner_cls is not None:
         eng.runner.__class__ = runner_cls
     reqs, step = {}, 0
@@ -62,10 +55,9 @@ def scenario_prompts(model, tokenizer) -> list[list[int]]:
 
 
 def main(cfg) -> dict:
-    torch.set_num_threads(int(cfg.threads))
-    model, tok = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, tok = load_configured_model(cfg)
     prompts = scenario_prompts(model, tok)
-    ref = [hf_reference(model, p, n) for p, n in zip(prompts, LENS)]
+    ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
     result = {}
     for policy in POLICIES:
         out = run_scenario(model, policy, prompts, LENS, ARRIVE)

@@ -23,7 +23,7 @@ def table_config(base: DictConfig, table: str, overrides: dict | None = None) ->
     if table == "main":
         return base
     top = [f"{g}={base[g].name}" for g in ("model", "precision", "profile", "slo")]
-    top += [f"seed={base.seed}", f"threads={base.threads}", f"capacity={base.capacity}", f"+experiment={table}"]
+    top += [f"seed={base.seed}", f"threads={base.threads}", f"seat_tokens={base.seat_tokens}", f"+experiment={table}"]
     return compose_config(top + [f"{k}={v}" for k, v in (overrides or {}).items()])
 
 

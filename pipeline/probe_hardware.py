@@ -8,9 +8,8 @@ import time
 
 import torch
 
-from engine.loader import load_model
 from engine.model import FlatModel
-from pipeline.config import ROOT, load
+from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json, write_text
 
@@ -47,9 +46,8 @@ def step_floor_ms(net: FlatModel, batch: int) -> float:
 
 
 def main(cfg) -> dict:
-    torch.set_num_threads(int(cfg.threads))
     dev = cfg.precision.device
-    model, _ = load_model(cfg.model, cfg.precision.dtype, dev)
+    model, _ = load_configured_model(cfg)
     net = FlatModel.of(model)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = params * net.embed.element_size()

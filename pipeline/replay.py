@@ -6,9 +6,9 @@ import pandas as pd
 from engine import LLMEngine, SamplingParams
 
 
-def calibrate_step(model, seats: int, capacity: int, prompt_len: int = 32, steps: int = 6, eos=()) -> float:
+def calibrate_step(model, seats: int, seat_tokens: int, prompt_len: int = 32, steps: int = 6, eos=()) -> float:
     """Median seconds of one full-batch decode step with `seats` rows (the unit of load and of the SLOs)."""
-    eng = LLMEngine(model, {"name": "continuous", "max_seats": seats}, capacity, eos)
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": seats}, seat_tokens, eos)
     p = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
     for i in range(seats):
         eng.add_request(f"c{i}", [3 + (i + j) % 50 for j in range(prompt_len)], p)

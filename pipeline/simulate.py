@@ -27,10 +27,10 @@ POLICIES = ["static", "dynamic", "bucketed", "continuous", "mixed", "chunked"]
 METRICS = ["throughput_tps", "ttft_p50_s", "tpot_p50_s"]
 
 
-def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: float, capacity: int,
+def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: float, seat_tokens: int,
              ttft_limit: float, tpot_limit: float, concurrency=None) -> dict:
     clock = VirtualClock()
-    eng = LLMEngine(None, policy, capacity, runner=SimRunner(cost, clock), clock=clock)
+    eng = LLMEngine(None, policy, seat_tokens, runner=SimRunner(cost, clock), clock=clock)
     req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6,
                            wait_until=lambda t: clock.advance_to(eng.t0 + t))
     return summarize(req, steps, ttft_limit, tpot_limit)
@@ -45,7 +45,7 @@ def validate(cost: CostModel, base) -> tuple[list[dict], dict]:
             cfg = table_config(base, table, dict(kv.split("=", 1) for kv in real["point"].split()) if
                                real["point"] not in ("main", "default") else None)
             wl = workloads[workloads["point"] == real["point"]]
-            sim = simulate(cost, OmegaConf.to_container(cfg.policy), wl, real["step_s"], int(cfg.capacity),
+            sim = simulate(cost, OmegaConf.to_container(cfg.policy), wl, real["step_s"], int(cfg.seat_tokens),
                            real["ttft_limit_s"], real["tpot_limit_s"])
             rows.append({"table": table, "point": real["point"], "policy": real["policy"],
                          **{f"real_{m}": real[m] for m in METRICS}, **{f"sim_{m}": sim[m] for m in METRICS}})
@@ -69,7 +69,7 @@ def sweep(cost: CostModel, base, step_s: float, axis: str, values, policies, see
                 cfg.seed = seed
                 wl = build(cfg, None, 50000)
                 ttft, tpot = float(cfg.slo.get("ttft_steps", 25)) * step_s, float(cfg.slo.get("tpot_steps", 3)) * step_s
-                runs.append(simulate(cost, OmegaConf.to_container(cfg.policy), wl, step_s, int(cfg.capacity),
+                runs.append(simulate(cost, OmegaConf.to_container(cfg.policy), wl, step_s, int(cfg.seat_tokens),
                                      ttft, tpot))
             med = {k: float(np.median([r[k] for r in runs])) for k in
                    ("throughput_tps", "goodput_tps", "ttft_p99_s", "ttft_p50_s", "tpot_p50_s", "slot_efficiency")}

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import hydra
 import pandas as pd
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from engine.loader import load_model
 from pipeline.bench_engine import run_one, save_table
+from pipeline.config import load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_text
 from pipeline.make_workloads import tokenizer_and_vocab
@@ -31,10 +30,9 @@ from pipeline.workloads import build
 @hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
 def job(cfg) -> float:
     """One run; returns its throughput (tok/s) so Hydra's sweepers can optimise over it."""
-    torch.set_num_threads(int(cfg.threads))
     hc = HydraConfig.get()
     tok, vocab = tokenizer_and_vocab(cfg)
-    model, _ = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, _ = load_configured_model(cfg)
     row, req, st = run_one(model, cfg, build(cfg, tok, vocab), "sweep", " ".join(hc.overrides.task) or "default", {})
     meta = {"config": OmegaConf.to_container(cfg), "environment": environment(cfg.precision.device)}
     save_table(Path(hc.runtime.output_dir), "run", [row], [req], [st], meta)

@@ -5,13 +5,12 @@ import os
 import sys
 import threading
 
-import torch
 import uvicorn
 from omegaconf import OmegaConf
 
 from engine import LLMEngine
-from engine.loader import eos_ids, load_model
-from pipeline.config import compose_config
+from engine.loader import eos_ids
+from pipeline.config import compose_config, load_configured_model
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -19,17 +18,16 @@ from servers.worker import EngineWorker
 
 def build(cfg):
     """The app for a composed config: the model, the engine with the configured policy, its worker thread."""
-    torch.set_num_threads(int(cfg.threads))
-    model, tokenizer = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, tokenizer = load_configured_model(cfg)
     if tokenizer is None:
         raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
     srv = cfg.server
     if srv.name == "engine":
-        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.capacity), eos_ids(model),
+        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.seat_tokens), eos_ids(model),
                            seed=int(cfg.seed))
         worker = EngineWorker(engine, int(srv.max_waiting))
     else:
-        worker = GenerateWorker(model, eos_ids(model), int(srv.capacity), int(srv.max_batch), float(srv.max_wait_ms),
+        worker = GenerateWorker(model, eos_ids(model), int(srv.seat_tokens), int(srv.max_batch), float(srv.max_wait_ms),
                                 int(srv.max_waiting), tokenizer.pad_token_id or 0)
     key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
     return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens)), worker

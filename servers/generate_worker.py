@@ -17,6 +17,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from engine import LLMEngine, SamplingParams
+from engine.hf import generate_padded
+from engine.request import stop_reason
 from engine.scheduler import StepEvent
 from servers.worker import Worker
 
@@ -50,9 +52,7 @@ class BatchStreamer(BaseStreamer):
                 continue  # a finished row: computed by generate, discarded here (a zombie row)
             live += 1
             job.count += 1
-            p = job.params
-            stop = token in p.stop_token_ids or (not p.ignore_eos and token in self.worker.eos_ids)
-            reason = "stop" if stop else ("length" if job.count >= p.max_new_tokens else None)
+            reason = stop_reason(job.params, self.worker.eos_ids, token, job.count)
             if job.rid in self.worker.aborted:
                 job.done, reason = True, None
                 continue
@@ -80,12 +80,12 @@ class RowsDone(StoppingCriteria):
 
 
 class GenerateWorker(Worker):
-    validate = LLMEngine.validate  # the engine's request checks, on this worker's vocab_size and capacity
+    validate = LLMEngine.validate  # the engine's request checks, on this worker's vocab_size and seat_tokens
 
-    def __init__(self, model, eos_ids, capacity: int, max_batch: int, max_wait_ms: float, max_waiting: int,
+    def __init__(self, model, eos_ids, seat_tokens: int, max_batch: int, max_wait_ms: float, max_waiting: int,
                  pad_id: int = 0):
         super().__init__(max_waiting)
-        self.model, self.eos_ids, self.capacity = model, set(eos_ids), capacity
+        self.model, self.eos_ids, self.seat_tokens = model, set(eos_ids), seat_tokens
         self.vocab_size = model.config.vocab_size
         self.max_batch, self.max_wait, self.pad_id = max_batch, max_wait_ms / 1000.0, pad_id
         self.num_seats = max_batch
@@ -126,9 +126,6 @@ class GenerateWorker(Worker):
         return [j for j in batch if j.rid not in self.aborted]
 
     def _generate(self, batch: list[Job]):
-        longest = max(len(j.prompt) for j in batch)
-        ids = torch.tensor([[self.pad_id] * (longest - len(j.prompt)) + j.prompt for j in batch])
-        mask = torch.tensor([[0] * (longest - len(j.prompt)) + [1] * len(j.prompt) for j in batch])
         first = batch[0].params
         new = max(j.params.max_new_tokens for j in batch)
         forced = max((j.params.max_new_tokens for j in batch if j.params.ignore_eos), default=0)
@@ -137,10 +134,9 @@ class GenerateWorker(Worker):
         if first.seed is not None:
             torch.manual_seed(first.seed)
         self.num_running = len(batch)
-        with torch.inference_mode():
-            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=forced,
-                                pad_token_id=self.pad_id, streamer=BatchStreamer(self, batch),
-                                stopping_criteria=StoppingCriteriaList([RowsDone(batch)]), **sampling)
+        generate_padded(self.model, [j.prompt for j in batch], new, self.pad_id, min_new_tokens=forced,
+                        streamer=BatchStreamer(self, batch), stopping_criteria=StoppingCriteriaList([RowsDone(batch)]),
+                        **sampling)
         self.num_running = 0
 
     def _loop(self):

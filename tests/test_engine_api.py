@@ -6,14 +6,14 @@ from engine import LLMEngine, RequestError, SamplingParams
 
 @pytest.fixture()
 def engine(tiny_llama):
-    return LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, capacity=32, eos_ids=[2])
+    return LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, seat_tokens=32, eos_ids=[2])
 
 
 @pytest.mark.parametrize("prompt, params, field, text", [
     ([], SamplingParams(), "prompt", "non-empty"),
     ([1, 2, 99999], SamplingParams(), "prompt", "[0, 512)"),
     ([5] * 10, SamplingParams(max_new_tokens=0), "max_new_tokens", ">= 1"),
-    ([5] * 20, SamplingParams(max_new_tokens=13), "max_new_tokens", "capacity of 32"),
+    ([5] * 20, SamplingParams(max_new_tokens=13), "max_new_tokens", "seat_tokens = 32"),
     ([5], SamplingParams(temperature=-1.0), "temperature", "[0, 100]"),
     ([5], SamplingParams(top_p=0.0), "top_p", "(0, 1]"),
     ([5], SamplingParams(top_k=10**6), "top_k", "[0, 512]"),
@@ -38,7 +38,7 @@ def test_engine_serves_others_after_a_refusal(engine):
 
 
 def test_eos_stops_unless_ignored(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, capacity=64, eos_ids=[2])
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, seat_tokens=64, eos_ids=[2])
     free = eng.add_request("free", [5, 6], SamplingParams(max_new_tokens=40))
     forced = eng.add_request("forced", [5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True))
     while eng.has_work():
@@ -54,10 +54,10 @@ def test_eos_stops_unless_ignored(tiny_llama):
 
 
 def test_several_eos_ids_each_stop(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, capacity=64, eos_ids=[])
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64, eos_ids=[])
     probe = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     j = next(i for i in range(1, len(probe)) if probe[i] not in probe[:i])  # first fresh token after the first
     unused = next(t for t in range(3, 512) if t not in probe)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, capacity=64, eos_ids=[unused, probe[j]])
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64, eos_ids=[unused, probe[j]])
     out = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30))[0]
     assert out == probe[:j + 1]

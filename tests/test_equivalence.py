@@ -4,14 +4,15 @@ import random
 import pytest
 
 from engine.runner import ModelRunner
-from pipeline.equivalence import ARRIVE, LENS, POLICIES, hf_reference, run_scenario, scenario_prompts
+from engine.hf import generate_alone
+from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 
 
 @pytest.fixture(scope="module")
 def references(tiny):
     name, model = tiny
     prompts = scenario_prompts(model, None)
-    return name, model, prompts, [hf_reference(model, p, n) for p, n in zip(prompts, LENS)]
+    return name, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
@@ -37,7 +38,7 @@ def test_randomized_arrivals_match_generate(tiny_llama, seed):
                          {"name": "dynamic", "max_batch": seats, "max_wait_ms": 2000}])
     out = run_scenario(tiny_llama, {**policy, "max_seats": seats}, prompts, lens, arrive)
     for i in range(n):
-        assert out[str(i)] == hf_reference(tiny_llama, prompts[i], lens[i]), f"{policy} seats={seats}: request {i}"
+        assert out[str(i)] == generate_alone(tiny_llama, prompts[i], lens[i]), f"{policy} seats={seats}: request {i}"
 
 
 class WrongPositionsRunner(ModelRunner):
@@ -67,7 +68,7 @@ def test_real_model_seed_scenario(smollm2, policy):
     prompts = scenario_prompts(model, tok)
     key = "_smollm2_ref"
     if not hasattr(test_real_model_seed_scenario, key):
-        setattr(test_real_model_seed_scenario, key, [hf_reference(model, p, n) for p, n in zip(prompts, LENS)])
+        setattr(test_real_model_seed_scenario, key, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)])
     ref = getattr(test_real_model_seed_scenario, key)
     out = run_scenario(model, policy, prompts, LENS, ARRIVE)
     for i in range(6):

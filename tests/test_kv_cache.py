@@ -1,4 +1,4 @@
-"""The slot cache holds exactly seats x capacity x per-token KV bytes and never grows; the cat cache does."""
+"""The slot cache holds exactly seats x seat_tokens x per-token KV bytes and never grows; the cat cache does."""
 import torch
 
 from engine import LLMEngine, SamplingParams
@@ -6,7 +6,7 @@ from engine.kv_cache import CatCache, SlotCache
 
 
 def test_slot_cache_size_is_exact_and_fixed(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 3}, capacity=96)
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 3}, seat_tokens=96)
     net = eng.runner.net
     expected = 3 * 96 * net.kv_bytes_per_token
     assert eng.runner.cache.nbytes == expected
@@ -16,7 +16,7 @@ def test_slot_cache_size_is_exact_and_fixed(tiny_llama):
 
 
 def test_write_lands_in_place():
-    c = SlotCache(num_layers=1, num_seats=2, capacity=8, num_kv_heads=2, head_dim=4)
+    c = SlotCache(num_layers=1, num_seats=2, seat_tokens=8, num_kv_heads=2, head_dim=4)
     k = torch.arange(2 * 2 * 4, dtype=torch.float32).view(2, 2, 4)
     slots = c.slots(torch.tensor([1, 0]), torch.tensor([5, 2]))
     c.write(0, slots, k, -k)

@@ -17,7 +17,7 @@ def step(s, now, token=7):
 
 
 def test_chunked_budget_splits_prompts_like_vllm():
-    s = make_scheduler({"name": "chunked", "max_seats": 8, "token_budget": 1024}, capacity=2048)
+    s = make_scheduler({"name": "chunked", "max_seats": 8, "token_budget": 1024}, seat_tokens=2048)
     for i in range(3):
         s.add(req(str(i), 800))
     first = step(s, 0.0)
@@ -30,14 +30,14 @@ def test_chunked_budget_splits_prompts_like_vllm():
 
 
 def test_chunk_positions_continue_from_kv_so_far():
-    s = make_scheduler({"name": "chunked", "max_seats": 2, "token_budget": 5}, capacity=64)
+    s = make_scheduler({"name": "chunked", "max_seats": 2, "token_budget": 5}, seat_tokens=64)
     s.add(req("a", 12))
     starts = [step(s, t).chunks[0].start for t in range(3)]
     assert starts == [0, 5, 10]
 
 
 def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
-    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2}, capacity=64)
+    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2}, seat_tokens=64)
     s.add(req("short", 3, max_new=1))
     assert step(s, 0.0).chunks == ()          # no deadline: a lone request waits
     s.add(req("long", 3, max_new=3))
@@ -54,7 +54,7 @@ def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
 
 
 def test_dynamic_launches_at_the_deadline_with_what_is_there():
-    s = make_scheduler({"name": "dynamic", "max_seats": 8, "max_batch": 4, "max_wait_ms": 50}, capacity=64)
+    s = make_scheduler({"name": "dynamic", "max_seats": 8, "max_batch": 4, "max_wait_ms": 50}, seat_tokens=64)
     s.add(req("a", 3, arrival=0.0))
     assert s.schedule(0.049).chunks == ()
     assert s.wake_time(0.049) == pytest.approx(0.05)
@@ -64,7 +64,7 @@ def test_dynamic_launches_at_the_deadline_with_what_is_there():
 
 
 def test_continuous_refills_a_freed_seat_on_the_next_step():
-    s = make_scheduler({"name": "continuous", "max_seats": 2}, capacity=64)
+    s = make_scheduler({"name": "continuous", "max_seats": 2}, seat_tokens=64)
     s.add(req("a", 3, max_new=1))
     s.add(req("b", 3, max_new=5))
     s.add(req("c", 3))
@@ -76,7 +76,7 @@ def test_continuous_refills_a_freed_seat_on_the_next_step():
 
 
 def test_mixed_puts_prompts_and_decodes_in_one_step():
-    s = make_scheduler({"name": "mixed", "max_seats": 4}, capacity=64)
+    s = make_scheduler({"name": "mixed", "max_seats": 4}, seat_tokens=64)
     s.add(req("a", 3))
     step(s, 0.0)
     s.add(req("b", 6))
@@ -85,14 +85,14 @@ def test_mixed_puts_prompts_and_decodes_in_one_step():
 
 
 def test_bucketed_oracle_groups_by_true_length():
-    s = make_scheduler({"name": "bucketed", "max_seats": 8, "max_batch": 2, "max_wait_ms": 0}, capacity=256)
+    s = make_scheduler({"name": "bucketed", "max_seats": 8, "max_batch": 2, "max_wait_ms": 0}, seat_tokens=256)
     for rid, n in [("a", 10), ("b", 200), ("c", 12), ("d", 190)]:
         s.add(req(rid, 3, max_new=n))
     assert set(step(s, 0.0).new_ids) == {"a", "c"}
 
 
 def test_naive_runs_one_at_a_time():
-    s = make_scheduler({"name": "naive", "max_seats": 64}, capacity=64)
+    s = make_scheduler({"name": "naive", "max_seats": 64}, seat_tokens=64)
     s.add(req("a", 3, max_new=2))
     s.add(req("b", 3))
     assert step(s, 0.0).new_ids == ("a",)
@@ -101,7 +101,7 @@ def test_naive_runs_one_at_a_time():
 
 
 def test_abort_frees_the_seat_for_the_next_step():
-    s = make_scheduler({"name": "continuous", "max_seats": 1}, capacity=64)
+    s = make_scheduler({"name": "continuous", "max_seats": 1}, seat_tokens=64)
     s.add(req("a", 3, max_new=50))
     s.add(req("b", 3))
     step(s, 0.0)
@@ -111,11 +111,11 @@ def test_abort_frees_the_seat_for_the_next_step():
 
 def test_unknown_policy_lists_the_choices():
     with pytest.raises(ValueError, match="chunked"):
-        make_scheduler({"name": "fastest", "max_seats": 1}, capacity=8)
+        make_scheduler({"name": "fastest", "max_seats": 1}, seat_tokens=8)
 
 
 def test_padded_static_batch_schedules_the_padding():
-    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2, "pad_prompts": True}, capacity=64)
+    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2, "pad_prompts": True}, seat_tokens=64)
     s.add(req("a", 3))
     s.add(req("b", 10))
     plan = step(s, 0.0)

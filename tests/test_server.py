@@ -12,7 +12,7 @@ import uvicorn
 
 from engine import LLMEngine
 from engine.loader import eos_ids, load_model
-from pipeline.equivalence import hf_reference
+from engine.hf import generate_alone
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -36,12 +36,12 @@ class Server:
     """The app on a real loopback port in a thread, for real HTTP clients. policy: an engine policy, or
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
-    def __init__(self, model, tok, policy, api_key=None, max_waiting=64, capacity=512):
+    def __init__(self, model, tok, policy, api_key=None, max_waiting=64, seat_tokens=512):
         if policy["name"] == "generate":
-            self.worker = GenerateWorker(model, eos_ids(model), capacity, policy["max_batch"], policy["max_wait_ms"],
+            self.worker = GenerateWorker(model, eos_ids(model), seat_tokens, policy["max_batch"], policy["max_wait_ms"],
                                          max_waiting)
         else:
-            self.engine = LLMEngine(model, policy, capacity, eos_ids(model))
+            self.engine = LLMEngine(model, policy, seat_tokens, eos_ids(model))
             self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
         self.port = free_port()
@@ -111,7 +111,7 @@ def test_greedy_output_equals_generate(any_server, chat_model):
     c = client(any_server)
     for text in ["Hello there", "The capital of France is", "1, 2, 3,"]:
         ids = tok.encode(text)
-        ref = hf_reference(model, ids, 12)
+        ref = generate_alone(model, ids, 12)
         got = c.completions.create(model="tiny-chat", prompt=ids, max_tokens=12, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].text
         assert got == tok.decode(ref, skip_special_tokens=True)
@@ -139,7 +139,7 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, None, 400, "n"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, None, 400, "role"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, None, 404, "gpt-9"),
-    ({"messages": [{"role": "user", "content": "x " * 600}]}, None, 400, "capacity of 512"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, None, 400, "seat_tokens = 512"),
 ]
 
 
