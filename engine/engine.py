@@ -1,5 +1,6 @@
 """The engine: validate and queue requests; each step is schedule, run, update, the same for every policy."""
 import time
+from dataclasses import replace
 
 from engine.policies import make_scheduler
 from engine.request import Request, RequestError, SamplingParams
@@ -66,17 +67,22 @@ class LLMEngine:
             return []
         reqs = self.scheduler.requests
         params = {c.rid: reqs[c.rid].params for c in plan.chunks if c.sample}
-        sampled = self.runner.run(plan, params)
+        seen = {rid: (reqs[rid].prompt, reqs[rid].output) for rid, p in params.items() if getattr(p, "penalized", 0)}
+        # penalties and logprobs exist only for ServingParams, which the simulator's runner is never given
+        sampled = self.runner.run(plan, params, seen) if seen else self.runner.run(plan, params)
         end = self.now()
         events = self.scheduler.update(plan, sampled, end)
+        if any(getattr(p, "logprobs", None) is not None for p in params.values()):
+            lps = self.runner.logprobs
+            events = [replace(e, logprob=lps[e.rid][0], top_logprobs=lps[e.rid][1]) if e.rid in lps else e
+                      for e in events]
         for e in events:
             if e.finish_reason:
                 self.runner.sampler.forget(e.rid)
         self.steps.append({"start": start, "duration": end - start, "kind": plan.kind,
                            "num_tokens": plan.total_tokens, "num_pad_tokens": plan.num_pad_tokens,
-                           "num_prompt_tokens": plan.num_prompt_tokens, "num_decode_rows": plan.num_decode_rows,
-                           "kv_tokens": plan.kv_tokens, "useful_rows": plan.num_useful_rows,
-                           "computed_rows": plan.num_sampled_rows, "num_new": len(plan.new_ids)})
+                           "useful_rows": plan.num_useful_rows,
+                           "computed_rows": plan.num_sampled_rows, "num_new": len(plan.new_ids), **plan.features()})
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:

@@ -2,29 +2,36 @@
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def random_model(config: dict, seed: int, dtype: torch.dtype = torch.float32):
-    """A random-weight model built in memory from a plain config dict (no download)."""
+def random_model(config: dict, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """A random-weight model built in memory from a plain config dict (no download). A large shape is made directly
+    on `device` in `dtype`, one tensor at a time (an 8B shape in bf16 never exists in fp32 or on the host)."""
     cfg = dict(config)
     hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(seed)
     with torch.device("meta" if hf_config.hidden_size >= 2048 else "cpu"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    if next(model.parameters()).is_meta:  # a large shape: allocate, then fill with small random values
-        model = model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(0.02).to(dtype))
-            for name, buf in model.named_buffers():  # rotary inv_freq was lost with the meta device
-                if name.endswith("inv_freq"):
-                    rotary = model.get_submodule(name.rsplit(".", 1)[0])
-                    inv, _ = rotary.rope_init_fn(rotary.config, "cpu")
-                    buf.copy_(inv)
+    with torch.no_grad():  # Hugging Face initialises biases to zero: random ones, so a biased model exercises them
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and not p.is_meta:
+                p.normal_(0.0, getattr(hf_config, "initializer_range", 0.02))
+    if not next(model.parameters()).is_meta:
+        return model.to(device).eval()
+    model = model.to_empty(device=device)  # a large shape: allocate on the device, then fill with small values
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+        for module in model.modules():  # rotary frequencies were lost with the meta device: computed again
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                fresh = type(module)(module.config)
+                for name, buf in fresh.named_buffers():
+                    module.get_buffer(name).copy_(buf)
     return model.eval()
 
 
@@ -32,8 +39,8 @@ def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
     """Return (model, tokenizer or None) for a conf/model entry."""
     torch_dtype = DTYPES[dtype]
     if model_cfg.source == "random":
-        config = {k: v for k, v in dict(model_cfg.config).items()}
-        return random_model(config, int(model_cfg.seed), torch_dtype).to(device), load_tokenizer(model_cfg)
+        config = OmegaConf.to_container(model_cfg.config, resolve=True)  # plain lists and dicts for HF's checks
+        return random_model(config, int(model_cfg.seed), torch_dtype, device), load_tokenizer(model_cfg)
     path = Path(model_cfg.path)
     if model_cfg.source == "gguf" and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` (or python -m pipeline.prepare_model)")

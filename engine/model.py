@@ -3,12 +3,16 @@
 The weights are copies of the Hugging Face model's, stored [in, out] (faster GEMMs on the CPU than [out, in]),
 with q/k/v and gate/up fused into one matrix each; on fp32 CPUs with MKL each is also packed once into MKL's GEMM
 layout, which saves the per-call repacking of the weight (10-27% faster products at 2-64 rows on AVX-512).
-The attention scale is folded into the q rows of the fused matrix (exact when it is a power of two, as for
-head_dim 64). Attention runs in two batched calls per layer, never a loop over sequences:
+The attention scale is folded into the q rows of the fused matrix when that is exact in any dtype (a power of two,
+as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) it is applied in the attention, as Hugging Face does.
+Attention softmax runs in fp32 whatever the weights' dtype; logits come out in fp32 for the sampler. Attention runs in two batched calls per layer, never a loop over sequences:
   decodes (one query each) against a no-copy view of the first seats of the cache,
   prompt chunks (padded to the longest chunk) against a gather of their seats.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
+A config is checked first (check_config): a field whose effect this pass does not compute is refused by name. A
+sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -82,19 +86,93 @@ class AttentionPlan:
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Hugging Face model -> its FlatModel
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # hidden_act -> the function (HF's "gelu" is the exact erf form)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies: the model's rotary module is reused as is
+# fields of other families' configs that change the forward pass; refused when set rather than ignored
+FOREIGN_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "use_qk_norm",
+                  "qk_layernorm", "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
+LAYER_PARAMS = {f"{block}.{proj}_proj.{kind}" for block, projs in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                for proj in projs for kind in ("weight", "bias")} | {"input_layernorm.weight",
+                                                                     "post_attention_layernorm.weight"}
+
+
+def check_config(hf_model) -> int | None:
+    """Refuse, with a ValueError naming the field, a model whose forward pass this module would not reproduce;
+    return its attention window (tokens, the query included; None = unlimited)."""
+    cfg = hf_model.config
+
+    def refuse(field, value, supported):
+        raise ValueError(f"{field} = {value!r} is not supported by the engine ({cfg.model_type}); {supported}")
+
+    if cfg.model_type not in SUPPORTED:
+        refuse("model_type", cfg.model_type, f"it runs {SUPPORTED}")
+    if cfg.hidden_act not in ACTIVATIONS:
+        refuse("hidden_act", cfg.hidden_act, f"it runs {tuple(ACTIVATIONS)}")
+    rope = dict(cfg.rope_parameters or {})
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        refuse("rope_parameters.rope_type", rope.get("rope_type"), f"it runs {ROPE_TYPES}")
+    for factor in (rope.get("partial_rotary_factor"), getattr(cfg, "partial_rotary_factor", None)):
+        if factor not in (None, 1, 1.0):
+            refuse("partial_rotary_factor", factor, "it rotates the whole head (1.0)")
+    for field in FOREIGN_FIELDS:
+        if getattr(cfg, field, None) not in (None, False):
+            refuse(field, getattr(cfg, field), "no such term in its forward pass")
+    for name, _ in hf_model.model.layers.named_parameters():
+        if name.split(".", 1)[1] not in LAYER_PARAMS:
+            refuse("layer parameter", name, f"a layer holds only {sorted(LAYER_PARAMS)}")
+    if getattr(hf_model.lm_head, "bias", None) is not None:
+        refuse("lm_head.bias", "present", "the output projection has no bias")
+    if cfg.model_type == "mistral":  # every layer windowed when sliding_window is set
+        return cfg.sliding_window
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds == {"sliding_attention"}:
+        return cfg.sliding_window
+    if kinds != {"full_attention"}:  # qwen2: layers from max_window_layers on are windowed
+        refuse("layer_types", cfg.layer_types, "the window must cover every layer or none "
+               "(use_sliding_window with max_window_layers = 0 or >= num_hidden_layers)")
+    return None
+
+
+def _fused(projections, scales=None) -> "Dense":
+    """One Dense for several nn.Linear side by side (output features concatenated), each scaled; a missing bias
+    among biased ones counts as zeros."""
+    scales = scales or [1.0] * len(projections)
+    w = torch.cat([p.weight if s == 1.0 else p.weight * s for p, s in zip(projections, scales)]).t()
+    if all(p.bias is None for p in projections):
+        return Dense(w)
+    return Dense(w, torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias * s
+                               for p, s in zip(projections, scales)]))
+
+
+def _release(linears) -> None:
+    """Free nn.Linear weights (and biases) whose values the engine now holds in its own layout."""
+    for lin in linears:
+        lin.weight = torch.nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+        if lin.bias is not None:
+            lin.bias = torch.nn.Parameter(lin.bias.new_empty(0), requires_grad=False)
+
+
+def _taken(*args, **kwargs):
+    raise RuntimeError("this Hugging Face model gave its weights to the engine (FlatModel.of(model, take=True)); "
+                       "load it again to run it")
+
+
 class FlatModel:
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, take: bool = False):
+        """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
+        layout (the weights then exist once, and the peak is one copy plus one layer); it can no longer run."""
         cfg = hf_model.config
-        if cfg.model_type not in SUPPORTED:
-            raise ValueError(f"model_type {cfg.model_type!r} is not supported; the engine runs {SUPPORTED}")
+        self.window = check_config(hf_model)  # tokens each query attends (itself included); None = all before it
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
-        self.scale = self.head_dim ** -0.5
-        self.act = {"silu": F.silu, "gelu": F.gelu}[cfg.hidden_act]
+        scale = self.head_dim ** -0.5
+        folded = math.log2(scale).is_integer()  # a power of two: multiplying the weights by it is exact
+        self.attn_scale = 1.0 if folded else scale  # what the attention itself still applies
+        self.act = ACTIVATIONS[cfg.hidden_act]
         m = hf_model.model
         self.embed = m.embed_tokens.weight
         self.norm = m.norm.weight
@@ -102,26 +180,51 @@ class FlatModel:
         self.layers = []
         with torch.no_grad():
             self.lm_head = Dense(hf_model.lm_head.weight.t())
+            if take and hf_model.lm_head.weight is not self.embed:
+                _release([hf_model.lm_head])
             for layer in m.layers:
                 a, mlp = layer.self_attn, layer.mlp
-                bias = None if a.q_proj.bias is None else \
-                    torch.cat([a.q_proj.bias * self.scale, a.k_proj.bias, a.v_proj.bias])
                 self.layers.append((
                     layer.input_layernorm.weight,
-                    Dense(torch.cat([a.q_proj.weight * self.scale, a.k_proj.weight, a.v_proj.weight]).t(), bias),
-                    Dense(a.o_proj.weight.t()),
+                    _fused([a.q_proj, a.k_proj, a.v_proj], [scale if folded else 1.0, 1.0, 1.0]),
+                    _fused([a.o_proj]),
                     layer.post_attention_layernorm.weight,
-                    Dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()),
-                    Dense(mlp.down_proj.weight.t()),
+                    _fused([mlp.gate_proj, mlp.up_proj]),
+                    _fused([mlp.down_proj]),
                 ))
+                if take:
+                    _release([a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
+        if take:
+            hf_model.forward = _taken
         self._compiled = None  # _forward through torch.compile, made on first use
 
     @classmethod
-    def of(cls, hf_model) -> "FlatModel":
-        """The engine's copy of a model's weights, built and packed once per model object (about 1 s here)."""
+    def of(cls, hf_model, take: bool = False) -> "FlatModel":
+        """The engine's weights for a model: built and packed once per model object (about 1 s here), copied from
+        it, or taken from it (`take`, see __init__); a FlatModel is returned as it is."""
+        if isinstance(hf_model, FlatModel):
+            return hf_model
         if hf_model not in _BUILT:
-            _BUILT[hf_model] = cls(hf_model)
+            _BUILT[hf_model] = cls(hf_model, take)
         return _BUILT[hf_model]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the engine holds for the weights (shared ones once; packed copies included)."""
+        tensors = [self.embed, self.norm, *(t for d in [self.lm_head] for t in (d.w, d.bias, d.packed))]
+        for ln1, *dense in ((l[0], l[1], l[2], l[4], l[5]) for l in self.layers):
+            tensors.append(ln1)
+            tensors += [t for d in dense for t in (d.w, d.bias, d.packed)]
+        tensors += [l[3] for l in self.layers]
+        seen = {}
+        for t in tensors:
+            if t is None:
+                continue
+            try:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except NotImplementedError:  # MKL's packed weights are opaque: their own size
+                seen[id(t)] = t.nbytes
+        return sum(seen.values())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -162,7 +265,7 @@ class FlatModel:
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
             cache.write(i, slots, k, v)
             attn = self._attend(i, q, k, v, plan, cache)
-            x = wo(attn.view(T, H * D), residual=x)
+            x = wo(attn.reshape(T, H * D), residual=x)  # a view on real devices (attn is contiguous)
             if T <= ROW_BLOCK:
                 x = self._mlp(x, ln2, wgu, wd)
             else:
@@ -180,7 +283,7 @@ class FlatModel:
         if plan.pre_dense:  # equal whole prompts: no padding, no gather
             P, Q, _ = plan.pre_shape
             grid = [t.view(P, Q, -1, D).transpose(1, 2) for t in (q, k, v)]
-            o = F.scaled_dot_product_attention(*grid, is_causal=True, scale=1.0, enable_gqa=True)
+            o = F.scaled_dot_product_attention(*grid, is_causal=True, scale=self.attn_scale, enable_gqa=True)
             return o.transpose(1, 2).reshape(q.shape)
         S, L = plan.dec_num_seats, plan.dec_len
         if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
@@ -196,16 +299,19 @@ class FlatModel:
             qp[plan.pre_slot] = q[plan.pre_tok]
             k, v = cache.gather(layer, plan.pre_seats, L)
             o = F.scaled_dot_product_attention(qp.view(P, Q, H, D).transpose(1, 2), k, v, attn_mask=plan.pre_mask,
-                                               is_causal=plan.pre_mask is None, scale=1.0, enable_gqa=True)
+                                               is_causal=plan.pre_mask is None, scale=self.attn_scale,
+                                               enable_gqa=True)
             out[plan.pre_tok] = o.transpose(1, 2).reshape(P * Q, H, D)[plan.pre_slot]
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, S: int, L: int, bias: torch.Tensor | None, cache) -> torch.Tensor:
-        """One (scaled) query per seat [S, H, D] against a view of seats [0, S): two batched matmuls over the GQA
-        groups."""
+        """One query per seat [S, H, D] against a view of seats [0, S): two batched matmuls over the GQA groups,
+        the softmax in fp32."""
         KV, D = self.num_kv_heads, self.head_dim
         k, v = (t.view(S * KV, L, D) for t in cache.view(layer, S, L))  # no copy: seats and heads share a stride
         scores = torch.bmm(q.view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
+        if self.attn_scale != 1.0:
+            scores.mul_(self.attn_scale)
         if bias is not None:
             scores.view(S, KV, -1, L).add_(bias)
-        return torch.bmm(scores.softmax(dim=-1), v).view(S, self.num_heads, D)
+        return torch.bmm(scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype), v).view(S, self.num_heads, D)

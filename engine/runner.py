@@ -7,7 +7,7 @@ import torch
 
 from engine.kv_cache import CatCache, SlotCache
 from engine.model import AttentionPlan, FlatModel
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import SchedulerOutput
 
 CACHES = {"slot": SlotCache, "cat": CatCache}
@@ -23,6 +23,7 @@ class ModelRunner:
         self.cache = CACHES[cache](self.net.num_layers, num_seats, seat_tokens, self.net.num_kv_heads,
                                    self.net.head_dim, self.net.dtype, self.device)
         self.sampler = Sampler(seed, eos_ids)
+        self.logprobs: dict[str, tuple] = {}  # rid -> (logprob, top alternatives) of the last run's rows that asked
 
     @property
     def vocab_size(self) -> int:
@@ -67,9 +68,10 @@ class ModelRunner:
         seat_len = [1] * num_seats           # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
             seat_len[s] = n
-        bias = None
-        if any(n != length for n in seat_len):
-            masked = torch.arange(length, device=self.device)[None, :] >= self._tensor(seat_len)[:, None]
+        bias, win = None, self.net.window
+        if any(n != length for n in seat_len) or (win is not None and length > win):
+            j, n = torch.arange(length, device=self.device)[None, :], self._tensor(seat_len)[:, None]
+            masked = j >= n if win is None else (j >= n) | (j < n - win)  # the query sits at position n - 1
             bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
             bias = bias[:, None, None, :]
         return self._tensor(tok), self._tensor(seats), num_seats, length, bias, dense
@@ -79,21 +81,33 @@ class ModelRunner:
             return None, None, None, (0, 0, 0), None, False
         length = max(s + n for s, n in spans)
         shape = (len(seats), qmax, length)
-        if all(s == 0 for s, _ in spans):  # whole prompts: causal from position 0; padded rows are discarded
+        win = self.net.window if self.net.window is not None and length > self.net.window else None
+        if win is None and all(s == 0 for s, _ in spans):  # whole prompts: causal from 0; padded rows discarded
             dense = len(tok) == num_tokens and all(n == qmax for _, n in spans)
             return self._tensor(tok), self._tensor(slot), self._tensor(seats), shape, None, dense
         starts = self._tensor([s for s, _ in spans])[:, None, None]
         counts = self._tensor([n for _, n in spans])[:, None, None]
         qi = torch.arange(qmax, device=self.device)[None, :, None]
         kj = torch.arange(length, device=self.device)[None, None, :]
-        mask = (kj <= starts + qi) | (qi >= counts)  # causal by absolute position; padded query rows see all
+        seen = kj <= starts + qi  # causal by absolute position
+        if win is not None:
+            seen &= kj > starts + qi - win
+        mask = seen | (qi >= counts)  # padded query rows see all
         return self._tensor(tok), self._tensor(slot), self._tensor(seats), shape, mask[:, None], False
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
-        """One forward pass; returns rid -> sampled token for every chunk that samples. params: rid -> SamplingParams."""
+    def run(self, out: SchedulerOutput, params: dict, seen: dict | None = None) -> dict[str, int]:
+        """One forward pass; returns rid -> sampled token for every chunk that samples. params: rid ->
+        SamplingParams; seen: rid -> (prompt ids, output ids) for rows with penalties. Rows whose params ask for
+        logprobs leave rid -> (chosen token's logprob, ((id, logprob), ...)) in self.logprobs: the raw model
+        distribution (fp32 log-softmax of the logits, before penalties, temperature, top-k and top-p), as vLLM
+        and OpenAI report them."""
         ids, attn, rows = self.plan(out)
         logits = self.net.forward(ids, attn, self.cache, rows, self.compile)
-        sampled = [c for c in out.chunks if c.sample]
-        rids = [c.rid for c in sampled]
-        return dict(zip(rids, self.sampler(logits, rids, [params[r] for r in rids])))
+        rids = [c.rid for c in out.chunks if c.sample]
+        asked = [i for i, r in enumerate(rids) if getattr(params[r], "logprobs", None) is not None]
+        raw = logits[asked].float().log_softmax(dim=-1) if asked else None  # before the sampler edits logits
+        tokens = self.sampler(logits, rids, [params[r] for r in rids], seen)
+        self.logprobs = dict(zip([rids[i] for i in asked], token_logprobs(
+            raw, [tokens[i] for i in asked], [params[rids[i]].logprobs for i in asked]))) if asked else {}
+        return dict(zip(rids, tokens))

@@ -1,9 +1,40 @@
-"""Batched next-token choice: greedy rows by argmax; sampled rows by temperature, top-k, top-p and a per-request seed.
+"""Batched next-token choice: penalties, then greedy rows by argmax and sampled rows by temperature, top-k, top-p
+and a per-request seed; logprobs of the chosen token and its top alternatives for rows that ask.
 
 Rows with ignore_eos never pick an end-of-sequence id (its logits are set to -inf, as min_new_tokens does in
 Hugging Face generate and ignore_eos does in llama.cpp's server).
+
+Every tensor made here lives on the logits' device, and so do the per-request generators (a CUDA run draws on
+the GPU), so no step copies between devices before its one read-back of the chosen ids.
 """
+from dataclasses import dataclass
+
 import torch
+
+from engine.request import RequestError, SamplingParams
+
+
+@dataclass(frozen=True)
+class ServingParams(SamplingParams):
+    """SamplingParams plus the OpenAI-API extras the batched sampler applies, row by row."""
+    presence_penalty: float = 0.0    # subtracted once from each token already in the output, [-2, 2]
+    frequency_penalty: float = 0.0   # subtracted per occurrence in the output, [-2, 2]
+    repetition_penalty: float = 1.0  # as HF: seen tokens (prompt + output): positive logit / it, negative * it
+    logprobs: int | None = None      # None: none; k: the chosen token's logprob and the k most likely, [0, 20]
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def validate(self, vocab_size: int) -> None:
+        super().validate(vocab_size)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise RequestError("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
 
 
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -17,46 +48,86 @@ def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     return first * block + blocks[torch.arange(rows, device=x.device), first].argmax(dim=-1)
 
 
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[tuple]:
+    """logprobs: [R, vocab] log-softmax rows; per row (chosen token's logprob, ((id, logprob), ...) top ks[i])."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    k = max(ks)
+    top_lp, top_id = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_lp, top_id = top_lp.tolist(), top_id.tolist()
+    return [(c, tuple(zip(ids[:n], lps[:n]))) for c, ids, lps, n in zip(chosen, top_id, top_lp, ks)]
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_ids=()):
         self.eos_ids = list(eos_ids)
-        self._engine_rng = torch.Generator().manual_seed(seed)   # seeds requests that bring no seed
-        self._rngs: dict[str, torch.Generator] = {}               # rid -> its own generator
+        self._engine_rng = torch.Generator().manual_seed(seed)   # draws the seeds of requests that bring none
+        self._rngs: dict[str, torch.Generator] = {}               # rid -> its own generator, on the logits' device
 
     def forget(self, rid: str) -> None:
         self._rngs.pop(rid, None)
 
-    def _rng(self, rid: str, seed: int | None) -> torch.Generator:
+    def _rng(self, rid: str, seed: int | None, device: torch.device) -> torch.Generator:
         if rid not in self._rngs:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._engine_rng))
-            self._rngs[rid] = torch.Generator().manual_seed(seed)
+            # the meta device has no generator; a CPU one there still yields meta tensors (shapes, no data)
+            self._rngs[rid] = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
         return self._rngs[rid]
 
-    def __call__(self, logits: torch.Tensor, rids: list[str], params: list) -> list[int]:
-        """logits: [R, vocab] float32; params[i]: the SamplingParams of row i. Returns one token id per row."""
+    def __call__(self, logits: torch.Tensor, rids: list[str], params: list,
+                 seen: dict[str, tuple[list[int], list[int]]] | None = None) -> list[int]:
+        """logits: [R, vocab] float32, edited in place; params[i]: the SamplingParams of row i; seen: rid ->
+        (prompt ids, output ids) for the rows with penalties. Returns one token id per row."""
+        dev = logits.device
         no_eos = [i for i, p in enumerate(params) if p.ignore_eos]
         if no_eos and self.eos_ids:
-            logits[torch.tensor(no_eos)[:, None], torch.tensor(self.eos_ids)[None, :]] = float("-inf")
+            rows = torch.tensor(no_eos, device=dev)[:, None]
+            logits[rows, torch.tensor(self.eos_ids, device=dev)[None, :]] = float("-inf")
+        hurt = [i for i, p in enumerate(params) if getattr(p, "penalized", False)]
+        if hurt:
+            idx = torch.tensor(hurt, device=dev)
+            logits[idx] = self._penalize(logits[idx], [params[i] for i in hurt], [seen[rids[i]] for i in hurt])
         tokens = first_argmax(logits)
         hot = [i for i, p in enumerate(params) if p.temperature > 0]
         if hot:
-            idx = torch.tensor(hot)
+            idx = torch.tensor(hot, device=dev)
             tokens[idx] = self._sample(logits[idx], [rids[i] for i in hot], [params[i] for i in hot])
         return tokens.tolist()
 
+    @staticmethod
+    def _penalize(logits: torch.Tensor, params: list, seen: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+        """Repetition penalty over prompt + output tokens, then frequency and presence over output tokens
+        (vLLM's order); one scatter per kind for all rows."""
+        dev, (rows, vocab) = logits.device, logits.shape
+
+        def counts(lists: list[list[int]]) -> torch.Tensor:
+            row = torch.tensor([r for r, ids in enumerate(lists) for _ in ids], dtype=torch.long, device=dev)
+            ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.long, device=dev)
+            out = torch.zeros(rows, vocab, dtype=logits.dtype, device=dev)
+            return out.index_put_((row, ids), torch.ones(len(ids), dtype=logits.dtype, device=dev), accumulate=True)
+
+        output = counts([o for _, o in seen])
+        anywhere = (counts([p for p, _ in seen]) + output) > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+        logits = torch.where(anywhere, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+        return logits - freq * output - pres * (output > 0).to(logits.dtype)
+
     def _sample(self, logits: torch.Tensor, rids: list[str], params: list) -> torch.Tensor:
-        temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+        dev, vocab = logits.device, logits.shape[1]
+        temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
         logits = logits / temp
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params])
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[1])[None, :]
+        rank = torch.arange(vocab, device=dev)[None, :]
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs                 # keep a token while the mass before it < top_p
         drop = (rank >= top_k[:, None]) | (mass_before >= top_p)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        u = torch.stack([torch.rand(logits.shape[1], generator=self._rng(r, p.seed)) for r, p in zip(rids, params)])
+        u = torch.stack([torch.rand(vocab, generator=self._rng(r, p.seed, dev), device=dev)
+                         for r, p in zip(rids, params)])
         gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0)))     # Gumbel-max: argmax(logit + G) ~ softmax
         choice = (sorted_logits + gumbel).argmax(dim=-1)
         return order.gather(1, choice[:, None])[:, 0]

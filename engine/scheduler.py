@@ -46,19 +46,42 @@ class SchedulerOutput:
         return sum(1 for c in self.chunks if not c.prompt)
 
     @property
-    def kv_tokens(self) -> int:
-        """Keys attended this step: each chunk attends to every position up to its last token."""
-        return sum(c.start + len(c.tokens) for c in self.chunks)
-
-    @property
     def num_sampled_rows(self) -> int:
-        """Rows that produce a token (zombies included)."""
+        """Rows that produce a token (zombies included): the rows the LM head and the sampler see."""
         return sum(1 for c in self.chunks if c.sample)
 
     @property
     def num_useful_rows(self) -> int:
         """Rows whose token is kept."""
         return sum(1 for c in self.chunks if c.sample and not c.zombie)
+
+    @property
+    def decode_attention(self) -> int:
+        """Query-key pairs per head of the decode attention as computed: one query per seat of the seats up to the
+        highest decoding one, against the longest decoding context (a padded [seats, keys] view of the cache)."""
+        dec = [c for c in self.chunks if len(c.tokens) == 1]
+        return (max(c.seat for c in dec) + 1) * max(c.start + 1 for c in dec) if dec else 0
+
+    @property
+    def prompt_attention(self) -> int:
+        """Query-key pairs per head of the prompt attention as computed: every multi-token chunk padded to the
+        longest chunk, against keys up to the furthest chunk end."""
+        pre = [c for c in self.chunks if len(c.tokens) > 1]
+        if not pre:
+            return 0
+        return len(pre) * max(len(c.tokens) for c in pre) * max(c.start + len(c.tokens) for c in pre)
+
+    @property
+    def is_mixed(self) -> int:
+        """1 when prompt tokens and decodes share the pass (the attention splits in two parts), else 0."""
+        return int(self.kind == "mixed")
+
+    def features(self) -> dict[str, int]:
+        """The step's cost features (engine.simulator.FEATURES), the same for the engine's records and the
+        simulator's clock."""
+        return {"num_prompt_tokens": self.num_prompt_tokens, "num_decode_rows": self.num_decode_rows,
+                "num_sampled_rows": self.num_sampled_rows, "decode_attention": self.decode_attention,
+                "prompt_attention": self.prompt_attention, "is_mixed": self.is_mixed}
 
     @property
     def kind(self) -> str:
@@ -75,6 +98,8 @@ class StepEvent:
     rid: str
     token: int | None           # None for an abort or error
     finish_reason: str | None   # set on the request's last event
+    logprob: float | None = None                            # the token's log-probability, if asked
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, log-probability), most likely first
 
 
 class SeatTable:

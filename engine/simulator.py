@@ -1,29 +1,35 @@
-"""The simulator: the real scheduler and engine, with a runner that advances a virtual clock by a fitted
-step-time cost model instead of running the model. One scheduler, two clocks.
+"""The simulator: the real scheduler and engine, with a runner that advances a virtual clock by a fitted step-time cost
+model instead of running the model. One scheduler, two clocks.
 
-Cost model: step seconds = fixed + per_prompt_token x prompt tokens + per_decode_row x decode rows
-                           + per_kv_token x keys attended.
+Cost model: step seconds = fixed + sum over FEATURES of coefficient x feature, the features being what the step
+computes (SchedulerOutput.features: rows through the layers, rows through the LM head and sampler, query-key pairs
+of each attention part as computed, and whether the pass mixes prompts and decodes). Every coefficient is >= 0.
 """
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerOutput
 
-FEATURES = ("num_prompt_tokens", "num_decode_rows", "kv_tokens")
+FEATURES = ("num_prompt_tokens", "num_decode_rows", "num_sampled_rows", "decode_attention", "prompt_attention",
+            "is_mixed")
+UNITS = {"fixed": "s per step", "num_prompt_tokens": "s per prompt token", "num_decode_rows": "s per decode row",
+         "num_sampled_rows": "s per sampled row", "decode_attention": "s per decode query-key pair",
+         "prompt_attention": "s per prompt query-key pair", "is_mixed": "s per mixed step"}
 
 
 @dataclass(frozen=True)
 class CostModel:
-    fixed: float            # s per step (weights streamed once)
-    per_prompt_token: float  # s per prompt token
-    per_decode_row: float    # s per decode row
-    per_kv_token: float      # s per key attended
+    fixed: float                                               # s per step (the weights streamed once)
+    coef: dict[str, float] = field(default_factory=dict)       # feature name -> s per unit (UNITS)
 
-    def step_time(self, num_prompt_tokens: int, num_decode_rows: int, kv_tokens: int) -> float:
-        return (self.fixed + self.per_prompt_token * num_prompt_tokens + self.per_decode_row * num_decode_rows
-                + self.per_kv_token * kv_tokens)
+    def step_time(self, plan: SchedulerOutput) -> float:
+        return self.predict(plan.features())
+
+    def predict(self, features: dict) -> float:
+        """Seconds for a step with these feature values (a SchedulerOutput.features() dict or a record row)."""
+        return self.fixed + sum(c * features[f] for f, c in self.coef.items())
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {"fixed": self.fixed, "coef": dict(self.coef)}
 
 
 class VirtualClock:
@@ -51,10 +57,7 @@ class SimRunner:
         self.sampler = _NoSampler()
 
     def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
-        prompt = sum(len(c.tokens) for c in out.chunks if c.prompt)
-        decode = sum(1 for c in out.chunks if not c.prompt)
-        kv = sum(c.start + len(c.tokens) for c in out.chunks)
-        self.clock.advance(self.cost.step_time(prompt, decode, kv))
+        self.clock.advance(self.cost.step_time(out))
         return {c.rid: 0 for c in out.chunks if c.sample}  # token 0: lengths come from the workload
 
 

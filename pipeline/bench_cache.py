@@ -8,8 +8,9 @@ import time
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.model import FlatModel
 from pipeline.config import ROOT, load, load_configured_model
-from pipeline.env import environment
+from pipeline.env import environment, synchronize
 from pipeline.io import write_json
 
 BATCH, CONTEXTS, STEPS = 16, [32, 128, 248], 5
@@ -24,33 +25,41 @@ def measure(model, cache: str, context: int) -> dict:
     while eng.has_work():
         eng.step()
     decode = sorted(s["duration"] for s in eng.steps[1:])
-    c, net = eng.runner.cache, eng.runner.net
-    seats = torch.arange(BATCH)
-    pos = torch.full((BATCH,), context + STEPS + 1)
-    k = torch.randn(BATCH, net.num_kv_heads, net.head_dim, dtype=net.dtype)
+    c = eng.runner.cache
     before = getattr(c, "copied_bytes", 0)
-    t = time.perf_counter()
-    for layer in range(net.num_layers):  # one more token for everyone: the append alone
-        c.write(layer, c.slots(seats, pos), k, k)
-    append = time.perf_counter() - t
+    append = append_s(c, eng.runner.net, context + STEPS + 1)
     return {"append_ms": append * 1e3, "decode_step_ms": decode[len(decode) // 2] * 1e3,
             "copied_mb_measured": (getattr(c, "copied_bytes", 0) - before) / 1e6}
 
 
+def append_s(cache, net, position: int) -> float:
+    """Seconds to write one more token's K/V for every seat in every layer (the append alone), on the cache's
+    device."""
+    dev = cache.k[0].device
+    seats = torch.arange(BATCH, device=dev)
+    pos = torch.full((BATCH,), position, device=dev)
+    k = torch.randn(BATCH, net.num_kv_heads, net.head_dim, dtype=net.dtype, device=dev)
+    synchronize(dev)
+    t = time.perf_counter()
+    for layer in range(net.num_layers):
+        cache.write(layer, cache.slots(seats, pos), k, k)
+    synchronize(dev)
+    return time.perf_counter() - t
+
+
 def main(cfg) -> list[dict]:
-    model, _ = load_configured_model(cfg)
-    net_kv = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * \
-        (getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads)
+    model, _ = load_configured_model(cfg, engine_only=True)
+    kv_per_token = FlatModel.of(model).kv_bytes_per_token
     rows = []
     for ctx in CONTEXTS:
         cat, slot = measure(model, "cat", ctx), measure(model, "slot", ctx)
         rows.append({"context": ctx, "cat_append_ms": cat["append_ms"], "slot_append_ms": slot["append_ms"],
-                     "cat_copied_mb": net_kv * BATCH * (ctx + 1) * model.dtype.itemsize / 1e6,
+                     "cat_copied_mb": kv_per_token * BATCH * (ctx + 1) / 1e6,
                      "cat_copied_mb_measured": cat["copied_mb_measured"],
                      "cat_decode_ms": cat["decode_step_ms"], "slot_decode_ms": slot["decode_step_ms"]})
         print(rows[-1], flush=True)
     write_json(ROOT / "data" / "results" / "cache.json", {"batch": BATCH, "rows": rows,
-                                                          "environment": environment(cfg.precision.device)})
+                                                          "machine": environment(cfg.threads, cfg.precision.device)})
     return rows
 
 

@@ -15,14 +15,20 @@ def compose_config(overrides: list[str] = ()) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
-def load_configured_model(cfg):
-    """(model, tokenizer or None) for a composed config, with torch's CPU threads set first (cfg.threads)."""
+def load_configured_model(cfg, engine_only: bool = False):
+    """(model, tokenizer or None) for a composed config, with torch's CPU threads set first (cfg.threads).
+    engine_only: the engine takes the weights into its own layout (FlatModel.of(model, take=True)), so they exist
+    once; the Hugging Face model then keeps its config but can no longer run `generate`."""
     import torch
 
     from engine.loader import load_model
+    from engine.model import FlatModel
 
     torch.set_num_threads(int(cfg.threads))
-    return load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    model, tokenizer = load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
+    if engine_only:
+        FlatModel.of(model, take=True)
+    return model, tokenizer
 
 
 def load(argv: list[str] | None = None) -> DictConfig:

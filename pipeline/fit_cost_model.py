@@ -1,7 +1,10 @@
-"""Stage fit_cost_model: step time as a function of prompt tokens, decode rows and keys attended, fitted by least
-squares to every per-step record of the engine replays; its error, and the knee against the ridge point.
+"""Stage fit_cost_model: step time as a non-negative combination of what each step computes (engine.simulator.
+FEATURES), fitted to every per-step record of the engine replays; its error overall and per kind of step (prefill,
+decode, mixed), and the knee against the ridge point.
 
-The knee: the tokens per step at which per-token work equals the fixed per-step cost (fixed / per-token cost);
+Non-negative least squares on relative error (each step weighted by 1 / its duration), so short decode steps count
+as much as long prefills: a decode step's error is what TPOT and ITL are made of.
+The knee: the prompt tokens per step at which their cost equals the fixed per-step cost (fixed / per prompt token);
 below it a step costs about the same however many tokens it carries. Prediction from the ridge (fp32 weights:
 2 FLOP per weight per token over 4 bytes per weight): 2 x ridge tokens.
 """
@@ -9,6 +12,7 @@ import json
 
 import numpy as np
 import pandas as pd
+from scipy.optimize import nnls
 
 from engine.simulator import FEATURES, CostModel
 from pipeline.config import ROOT, load
@@ -17,31 +21,48 @@ from pipeline.io import write_json
 RESULTS = ROOT / "data" / "results"
 
 
-def fit(steps: pd.DataFrame) -> tuple[CostModel, dict]:
-    x = np.column_stack([np.ones(len(steps)), *(steps[f].to_numpy(float) for f in FEATURES)])
+def errors(model: CostModel, steps: pd.DataFrame) -> dict:
+    """Median and p90 relative error of the predicted step time, and R², over these steps."""
     y = steps["duration"].to_numpy(float)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    coef = np.maximum(coef, 0.0)  # a negative cost per token is noise, not physics
-    model = CostModel(*coef)
-    pred = x @ coef
+    pred = np.array([model.predict(r) for r in steps[list(FEATURES)].to_dict("records")])
     rel = np.abs(pred - y) / y
-    stats = {"steps": int(len(y)), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90)),
-             "r2": float(1 - ((y - pred) ** 2).sum() / ((y - y.mean()) ** 2).sum())}
+    ss = ((y - y.mean()) ** 2).sum()
+    return {"steps": int(len(y)), "median_rel_error": float(np.median(rel)),
+            "p90_rel_error": float(np.percentile(rel, 90)), "r2": float(1 - ((y - pred) ** 2).sum() / ss) if ss else 1.0}
+
+
+def fit(steps: pd.DataFrame) -> tuple[CostModel, dict]:
+    """The non-negative fit; stats overall and per step kind."""
+    y = steps["duration"].to_numpy(float)
+    x = np.column_stack([np.ones(len(steps)), *(steps[f].to_numpy(float) for f in FEATURES)])
+    w = 1.0 / y                                   # relative error
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0                       # a feature never seen: its coefficient stays 0
+    coef, _ = nnls(x * w[:, None] / scale, y * w)
+    coef = coef / scale
+    model = CostModel(float(coef[0]), {f: float(c) for f, c in zip(FEATURES, coef[1:])})
+    stats = errors(model, steps)
+    stats["per_kind"] = {k: errors(model, g) for k, g in steps.groupby("kind")}
     return model, stats
 
 
 def main(cfg) -> dict:
-    steps = pd.concat([pd.read_parquet(p) for p in sorted((RESULTS / "engine").glob("*_steps.parquet"))],
-                      ignore_index=True)
+    tables = sorted((RESULTS / "engine").glob("*.json"))
+    machines = {m["id"]: m for m in (json.loads(p.read_text())["machine"] for p in tables)}
+    if len(machines) != 1:
+        raise SystemExit(f"fit_cost_model: the engine results come from {len(machines)} machines "
+                         f"{[m['label'] for m in machines.values()]}; rerun bench_engine on one")
+    steps = pd.concat([pd.read_parquet(p.with_name(f"{p.stem}_steps.parquet")) for p in tables], ignore_index=True)
     model, stats = fit(steps[steps["duration"] > 0])
-    per_token = (model.per_prompt_token + model.per_decode_row) / 2
-    knee = model.fixed / per_token if per_token > 0 else float("inf")
+    per_token = model.coef["num_prompt_tokens"]
     hw = json.loads((ROOT / "reports" / "hardware.json").read_text())
-    out = {"cost_model": model.as_dict(), "fit": stats, "knee_tokens": knee,
+    out = {"cost_model": model.as_dict(), "fit": stats,
+           "knee_tokens": model.fixed / per_token if per_token > 0 else float("inf"),
            "ridge_flop_per_byte": hw["ridge_flop_per_byte"],
-           "knee_from_ridge_tokens": hw["ridge_flop_per_byte"] * hw["weight_bytes"] / hw["params"] / 2}
+           "knee_from_ridge_tokens": hw["ridge_flop_per_byte"] * hw["weight_bytes"] / hw["params"] / 2,
+           "machine": next(iter(machines.values()))}
     write_json(RESULTS / "cost_model.json", out)
-    print(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "machine"}, indent=1))
     return out
 
 

@@ -1,42 +1,56 @@
-"""Load generator for any OpenAI-compatible server: closed loop (c workers) or open loop (saved arrival times).
+"""Load generator for any OpenAI-compatible server: closed loop (c workers) or open loop (saved arrival times),
+and a soak (closed loop for a duration) that reports what a long run loses.
 
 Sends at absolute times (never "sleep after send"), streams every response, records one row per request with
 the same fields as an engine replay (arrival, first_token, token_times, num_tokens, complete), so
 pipeline.metrics summarizes both. A request that outlives `timeout_s` is recorded incomplete, not waited on.
+
+Soak from the command line:
+    python -m pipeline.loadgen --url http://127.0.0.1:8000/v1 --model smollm2-135m --concurrency 16 --duration 600
 """
+import argparse
 import asyncio
 import json
 import time
+from collections import Counter
 
 import httpx
 from tqdm import tqdm
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict, t0: float, timeout_s: float) -> dict:
-    """Send one streaming request; token times are the arrival times of content chunks (s since t0)."""
-    rec = {"arrival": time.perf_counter() - t0, "token_times": [], "num_tokens": 0, "error": None}
+    """Send one streaming request; token times are the arrival times of content chunks (s since t0).
+    outcome: "ok", "HTTP <status>", "error event", "hung" (past timeout_s) or "lost" (the connection failed or the
+    stream ended without [DONE])."""
+    rec = {"arrival": time.perf_counter() - t0, "token_times": [], "num_tokens": 0, "error": None, "outcome": "ok"}
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
                     rec["error"] = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                    rec["outcome"] = f"HTTP {r.status_code}"
                     return rec
+                done = False
                 async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if line == "data: [DONE]":
+                        done = True
+                    if not line.startswith("data: ") or done:
                         continue
                     msg = json.loads(line[6:])
                     if "error" in msg:
-                        rec["error"] = msg["error"].get("message")
+                        rec["error"], rec["outcome"] = msg["error"].get("message"), "error event"
                     elif msg.get("choices"):
                         c = msg["choices"][0]
                         if (c.get("delta") or {}).get("content") or c.get("text"):
                             rec["token_times"].append(time.perf_counter() - t0)
                     if msg.get("usage"):
                         rec["num_tokens"] = msg["usage"]["completion_tokens"]
+                if not done and rec["error"] is None:
+                    rec["error"], rec["outcome"] = "the stream ended without [DONE]", "lost"
     except TimeoutError:
-        rec["error"] = f"timeout after {timeout_s} s"
+        rec["error"], rec["outcome"] = f"timeout after {timeout_s} s", "hung"
     except httpx.HTTPError as exc:
-        rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["error"], rec["outcome"] = f"{type(exc).__name__}: {exc}", "lost"
     return rec
 
 
@@ -47,7 +61,7 @@ def finish(rec: dict, want: int | None) -> dict:
     rec["finish"] = t[-1] if t else None
     rec["num_tokens"] = rec["num_tokens"] or len(t)
     if rec["error"] is None and want is not None and rec["num_tokens"] < want:
-        rec["error"] = f"short response: {rec['num_tokens']} of {want} tokens"
+        rec["error"], rec["outcome"] = f"short response: {rec['num_tokens']} of {want} tokens", "lost"
     rec["complete"] = rec["error"] is None and bool(t)
     return rec
 
@@ -99,3 +113,64 @@ async def open_loop(base_url: str, model: str, requests: list[tuple], arrivals: 
                           n if ignore_eos else None)
 
         return list(await asyncio.gather(*(at(a, p, n) for a, (p, n) in zip(arrivals, requests))))
+
+
+async def health(client: httpx.AsyncClient, root: str) -> dict:
+    """The server's /health (root: the URL without /v1); {} if it does not answer with JSON."""
+    try:
+        return (await client.get(f"{root}/health", timeout=10)).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+async def soak(base_url: str, model: str, concurrency: int, duration_s: float, prompt="Tell me a story.",
+               max_tokens: int = 64, timeout_s: float = 60.0, api_key: str | None = None,
+               warmup: int | None = None) -> dict:
+    """Closed loop at `concurrency` for duration_s seconds after a warm-up of `warmup` requests (default: one per
+    worker). Returns requests sent, outcomes by kind, lost/hung counts, completed tokens, and
+    the server's resident memory (/health rss_mb) after the warm-up and at the end. outcomes: see one()."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    path = "/chat/completions" if isinstance(prompt, str) else "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    body = body_for(model, prompt, max_tokens, True)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(client, path, body, t0, timeout_s) for _ in range(warmup or concurrency)))
+        start = await health(client, root)
+        outcomes: Counter = Counter()
+        tokens = 0
+        end = time.perf_counter() + duration_s
+
+        async def worker():
+            nonlocal tokens
+            while time.perf_counter() < end:
+                rec = finish(await one(client, path, body, t0, timeout_s), max_tokens)
+                outcomes[rec["outcome"]] += 1
+                tokens += rec["num_tokens"] if rec["complete"] else 0
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        stop = await health(client, root)
+    return {"requests": sum(outcomes.values()), "outcomes": dict(outcomes), "lost": outcomes["lost"],
+            "hung": outcomes["hung"], "completed_tokens": tokens, "duration_s": duration_s,
+            "concurrency": concurrency, "rss_mb_start": start.get("rss_mb"), "rss_mb_end": stop.get("rss_mb")}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="Soak an OpenAI-compatible server: closed loop for a duration.")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL, ending in /v1")
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--duration", type=float, required=True, help="seconds of load after the warm-up")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per response (ignore_eos)")
+    p.add_argument("--timeout", type=float, default=60.0, help="s after which a request counts as hung")
+    p.add_argument("--api-key", default=None)
+    a = p.parse_args(argv)
+    report = asyncio.run(soak(a.url, a.model, a.concurrency, a.duration, max_tokens=a.max_tokens,
+                              timeout_s=a.timeout, api_key=a.api_key))
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

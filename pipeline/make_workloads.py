@@ -3,18 +3,12 @@ import sys
 
 import pandas as pd
 
-from engine.loader import load_tokenizer
 from pipeline.config import ROOT, load
 from pipeline.io import write_parquet
 from pipeline.points import runs
-from pipeline.workloads import build
+from pipeline.workloads import build, tokenizer_and_vocab
 
 OUT = ROOT / "data" / "workloads"
-
-
-def tokenizer_and_vocab(cfg):
-    tok = load_tokenizer(cfg.model)
-    return tok, len(tok) if tok is not None else int(cfg.model.config.vocab_size)
 
 
 def main(cfg, tables: list[str]):

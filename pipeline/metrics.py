@@ -59,3 +59,11 @@ def summarize(req: pd.DataFrame, steps: pd.DataFrame | None = None, ttft_limit: 
         out["max_step_s"] = float(steps["duration"].max())
         out["steps"] = int(len(steps))
     return out
+
+
+def slo_limits(slo, step_s: float) -> tuple[float, float]:
+    """(TTFT, TPOT) limits in seconds for a conf/slo entry: absolute (ttft_s, tpot_s), or multiples of the
+    measured full-batch decode step (ttft_steps, tpot_steps)."""
+    if "ttft_s" in slo:
+        return float(slo.ttft_s), float(slo.tpot_s)
+    return float(slo.ttft_steps) * step_s, float(slo.tpot_steps) * step_s

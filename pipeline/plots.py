@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from pipeline.config import ROOT, load  # noqa: E402
+from pipeline.config import ROOT  # noqa: E402
 from pipeline.io import write_text  # noqa: E402
 
 RESULTS = ROOT / "data" / "results"
@@ -52,18 +52,19 @@ def engine_points(rows: pd.DataFrame) -> pd.DataFrame:
     return t[["series", "label", "ttft_p99_s", "throughput_tps", "samples"]]
 
 
-def main(cfg):
+def main():
     PLOTS.mkdir(parents=True, exist_ok=True)
     engine = load_rows("engine")
-    slo = float(cfg.slo.get("ttft_s", engine["ttft_limit_s"].iloc[0] if len(engine) else 1.0))
     if len(engine):
-        throughput_vs_ttft(engine_points(engine), slo, "Engine replay: policies and loads (measured)",
+        throughput_vs_ttft(engine_points(engine), float(engine["ttft_limit_s"].median()),
+                           "Engine replay: policies and loads (measured)",
                            PLOTS / "engine_throughput_vs_ttft.png")
     server = load_rows("server")
     if len(server):
         pts = server.assign(series=server["backend"], label=server["concurrency"].map(lambda c: f"c={c}"),
                             samples=server["complete"])
-        throughput_vs_ttft(pts[["series", "label", "ttft_p99_s", "throughput_tps", "samples"]], slo,
+        throughput_vs_ttft(pts[["series", "label", "ttft_p99_s", "throughput_tps", "samples"]],
+                           float(server["ttft_limit_s"].median()),
                            "Servers under closed-loop load (measured)", PLOTS / "throughput_vs_ttft.png")
     sim_path = RESULTS / "simulation.json"
     if sim_path.exists():
@@ -112,4 +113,4 @@ def simulation_plots(sim: dict):
 
 
 if __name__ == "__main__":
-    main(load())
+    main()

@@ -1,9 +1,15 @@
-"""Replay a saved workload through the engine on the wall clock: arrivals at their absolute times, every token timed."""
+"""Replay a saved workload through the engine on the wall clock: arrivals at their absolute times, every token timed;
+one run's summary row, and a table of runs saved in the results format (used by bench_engine and sweeps)."""
 import time
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
+from engine.loader import eos_ids
+from pipeline.io import write_json, write_parquet
+from pipeline.metrics import slo_limits, summarize
+from pipeline.workloads import predicted_static_efficiency
 
 
 def calibrate_step(model, seats: int, seat_tokens: int, prompt_len: int = 32, steps: int = 6, eos=()) -> float:
@@ -82,3 +88,37 @@ def records(workload: pd.DataFrame, reqs: dict) -> pd.DataFrame:
                     "finish_reason": r.finish_reason if r else None,
                     "complete": bool(r and r.finish_reason == "length" and len(times) == w.output_tokens)})
     return pd.DataFrame(out)
+
+
+def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: dict[int, float]):
+    """Replay one run's workload; returns (summary row, per-request records, per-step records)."""
+    ref, eos = int(cfg.load.get("ref_seats", cfg.policy.max_seats)), eos_ids(model)
+    if ref not in steps_cache:
+        steps_cache[ref] = calibrate_step(model, ref, int(cfg.seat_tokens), int(wl["prompt_tokens"].median()), eos=eos)
+    step_s = steps_cache[ref]
+    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.seat_tokens), eos, seed=int(cfg.seed))
+    conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
+    req, st, _ = replay(engine, wl, step_s, conc)
+    ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
+    row = {"table": table, "point": name, "policy": cfg.policy.name, "workload": cfg.workload.name,
+           "load": cfg.load.name, "load_multiple": float(cfg.load.get("multiple", float("nan"))),
+           "sigma": float(cfg.workload.output.sigma),
+           "length_cv": float(wl["output_tokens"].std(ddof=0) / wl["output_tokens"].mean()), "step_s": step_s,
+           "ttft_limit_s": ttft_lim, "tpot_limit_s": tpot_lim, **summarize(req, st, ttft_lim, tpot_lim)}
+    if cfg.policy.name in ("static", "dynamic", "bucketed"):
+        row["batch_sizes"] = list(engine.scheduler.batch_sizes)
+        row["predicted_static_efficiency"] = predicted_static_efficiency(
+            wl.sort_values("arrival_steps")["output_tokens"], int(cfg.policy.max_batch))
+    for knob in ("max_wait_ms", "token_budget", "max_batch", "max_seats"):
+        if knob in cfg.policy:
+            row[knob] = float(cfg.policy[knob])
+    print(f"{table} | {name}: {row['throughput_tps']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
+          f"{row['complete']}/{row['requests']} complete", flush=True)
+    return row, req.assign(point=name), st.assign(point=name)
+
+
+def save_table(out_dir, table: str, rows: list[dict], reqs: list, steps: list, meta: dict):
+    """<table>.json (summary rows + meta), <table>.parquet (requests), <table>_steps.parquet (steps)."""
+    write_parquet(out_dir / f"{table}.parquet", pd.concat(reqs, ignore_index=True), meta)
+    write_parquet(out_dir / f"{table}_steps.parquet", pd.concat(steps, ignore_index=True), meta)
+    write_json(out_dir / f"{table}.json", {"rows": rows, **meta})

@@ -10,12 +10,49 @@ RESULTS = ROOT / "data" / "results"
 REPORTS = ROOT / "reports"
 
 
-def read(path):
-    return json.loads(path.read_text()) if path.exists() else None
+class MixedMachines(SystemExit):
+    """Figures of two machines would meet in one report."""
 
 
-def engine_tables() -> dict[str, list[dict]]:
-    return {p.stem: json.loads(p.read_text())["rows"] for p in sorted((RESULTS / "engine").glob("*.json"))}
+class Inputs:
+    """Reads the report's inputs and checks that each was measured on this machine (reports/machine.json).
+
+    A file named in `other_machine` (config report.other_machine) may come from another machine; its section then
+    says whose figures they are. Any other mismatch stops the report with an error naming both machines."""
+
+    def __init__(self, machine: dict, other_machine=()):
+        self.machine, self.other = machine, set(other_machine)
+        self.foreign: dict[str, dict] = {}  # file name -> the other machine it was measured on
+
+    def read(self, path):
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        theirs = data.get("machine") if isinstance(data, dict) else None
+        if theirs is None or theirs["id"] != self.machine["id"]:
+            name = self.name(path)
+            what = f"machine {theirs['id']} ({theirs['label']})" if theirs else "an unrecorded machine"
+            if name not in self.other:
+                raise MixedMachines(
+                    f"report: {name} was measured on {what}, but this machine is {self.machine['id']} "
+                    f"({self.machine['label']}). Rerun its stage here (dvc repro), or list it under "
+                    f"report.other_machine to show it labelled as the other machine's.")
+            self.foreign[name] = theirs or {"id": "unknown", "label": "an unrecorded machine"}
+        return data
+
+    @staticmethod
+    def name(path) -> str:
+        """A results file as the config names it: relative to the repository."""
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+    def note(self, path) -> str:
+        """'' for this machine's file, else a sentence saying whose figures these are."""
+        theirs = self.foreign.get(self.name(path))
+        return f" **Measured on another machine: {theirs['label']} ({theirs['id']}), not this one.**" if theirs else ""
+
+
+def engine_tables(inputs: Inputs) -> dict[str, list[dict]]:
+    return {p.stem: inputs.read(p)["rows"] for p in sorted((RESULTS / "engine").glob("*.json"))}
 
 
 def section(title: str, note: str, body: str) -> str:
@@ -25,14 +62,28 @@ def section(title: str, note: str, body: str) -> str:
 def engine_speed_section(rows: list[dict]) -> tuple[str, dict]:
     body = tables.markdown(
         ["B", "prompt tokens", "new tokens", "engine tok/s", "HF tok/s", "ratio", "engine prefill, s",
-         "HF prefill, s", "engine decode tok/s", "HF decode tok/s", "decode ratio", "KV cache, MB", "compiled"],
+         "HF prefill, s", "engine decode tok/s", "HF decode tok/s", "decode ratio", "engine weights, MB",
+         "KV cache, MB", "peak, MB", "compiled"],
         [[r["batch"], r["prompt_tokens"], r["new_tokens"], tables.fmt(r["engine_tps"], 1), tables.fmt(r["hf_tps"], 1),
           tables.fmt(r["ratio"]), tables.fmt(r["engine_prefill_s"]), tables.fmt(r["hf_prefill_s"]),
           tables.fmt(r["engine_decode_tps"], 1), tables.fmt(r["hf_decode_tps"], 1), tables.fmt(r["decode_ratio"]),
-          tables.fmt(r["kv_cache_bytes"] / 1e6, 0), "yes" if r.get("compile") else "no"] for r in rows])
+          tables.fmt(r["engine_weight_bytes"] / 1e6, 0), tables.fmt(r["kv_cache_bytes"] / 1e6, 0),
+          tables.fmt(r["engine_peak_mb"], 0), "yes" if r.get("compile") else "no"] for r in rows])
     metrics = {f"engine_speed.b{r['batch']}_p{r['prompt_tokens']}.{k}": round(r[k], 3) for r in rows
                for k in ("engine_tps", "hf_tps", "ratio", "decode_ratio")}
     return body, metrics
+
+
+def machine_dependence(hw: dict | None) -> str:
+    """Why these speeds belong to this machine, from its probe: where a decode step sits on the roofline."""
+    if not hw:
+        return ""
+    one = hw["floors"][0]
+    knee = next((f["batch"] for f in hw["floors"] if f["regime"] == "compute-bound"), None)
+    return (f" These figures depend on the CPU: its probe measured {hw['bandwidth_gbs']:.1f} GB/s streaming read "
+            f"and {hw['gflops']['fp32']:.0f} GFLOP/s fp32 products, so one decode step's matrix products take "
+            f"{one['measured_ms']:.1f} ms at B=1 (the weights read once) and the step turns compute-bound near "
+            f"B = {knee} (HARDWARE.md); a CPU with twice the bandwidth or wider vector units moves both.")
 
 
 def capacity_answer(rows: list[dict], hw: dict | None) -> str:
@@ -80,24 +131,27 @@ def static_fill_wait(sim: dict, cfg) -> str:
 
 
 def main(cfg):
-    parts, metrics = [f"# LLM batching lab: report\n\nGenerated by `dvc repro` (stage `report`) from the results "
-                      f"under `data/results/`. Model {cfg.model.name}, {cfg.precision.dtype} on "
-                      f"{cfg.precision.device}, profile `{cfg.profile.name}`, seed {cfg.seed}. Every figure is "
-                      "measured on this machine unless marked computed.\n"], {}
+    machine = json.loads((REPORTS / "machine.json").read_text())
+    inputs = Inputs(machine, cfg.report.other_machine)
+    read = inputs.read
+    parts, metrics = [], {}
+    hw = read(REPORTS / "hardware.json")
     eq = read(REPORTS / "equivalence.json")
     if eq:
         parts.append(section("Correctness", "Seed 000's scenario (six requests, three seats, staggered arrivals): "
-                             "requests whose tokens equal Hugging Face `generate` run alone, per policy (measured).",
+                             "requests whose tokens equal Hugging Face `generate` run alone, per policy (measured)."
+                             + inputs.note(REPORTS / "equivalence.json"),
                              tables.markdown(["policy", "token-equal"],
                                              [[p, f"{n}/{eq['requests']}"] for p, n in eq["matches"].items()])))
         metrics.update({f"equivalence.{p}": n / eq["requests"] for p, n in eq["matches"].items()})
     speed = read(REPORTS / "engine_speed.json")
     if speed:
-        body, m = engine_speed_section(speed)
+        body, m = engine_speed_section(speed["rows"])
         parts.append(section("Engine against Hugging Face generate", "Same model, dtype and requests in one "
-                             "process; B requests at once, exact new tokens (`python -m pipeline.engine_speed`).", body))
+                             "process; B requests at once, exact new tokens (`python -m pipeline.engine_speed`)."
+                             + inputs.note(REPORTS / "engine_speed.json") + machine_dependence(hw), body))
         metrics.update(m)
-    results = engine_tables()
+    results = engine_tables(inputs)
     notes = {
         "static_efficiency": ("Static batching's zombie rows (seed 003 §1)", "8 seats, saturated arrivals."),
         "dynamic_timeouts": ("Dynamic batching: timeouts at light and saturating load (seed 003 §2)",
@@ -112,20 +166,21 @@ def main(cfg):
         if name in tables.TABLES:
             body, m = tables.TABLES[name](rows)
             title, note = notes[name]
-            parts.append(section(title, note, body))
+            parts.append(section(title, note + inputs.note(RESULTS / "engine" / f"{name}.json"), body))
             metrics.update(m)
     for file, render, title, note in (
             ("cache.json", tables.cache, "The cache has to change first (seed 003 §3)",
              "Growing `torch.cat` cache against the slot cache."),
             ("cost_model.json", tables.cost_model, "Step-time cost model (seed 003 §5-6)",
-             "step = fixed + a x prompt tokens + b x decode rows + c x keys attended, least squares over every "
-             "measured step of the replays."),
+             "step = fixed + a sum of what the step computes (prompt tokens, decode rows, sampled rows, query-key "
+             "pairs of each attention part as computed, a mixed pass), each term >= 0, fitted by non-negative least "
+             "squares on relative error to every measured step of the replays."),
             ("simulation.json", tables.validation, "Simulator validation (seed 003 §6)",
              "The same scheduler on a virtual clock driven by the cost model, replaying every real run's workload.")):
         result = read(RESULTS / file)
         if result:
             body, m = render(result)
-            parts.append(section(title, note, body))
+            parts.append(section(title, note + inputs.note(RESULTS / file), body))
             metrics.update(m)
     sim = read(RESULTS / "simulation.json")
     if sim:
@@ -150,12 +205,19 @@ def main(cfg):
             metrics.update({f"server.open_loop.{k}": round(servers["open_loop"][k], 4)
                             for k in ("throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s")})
     score = REPORTS / "SCOREBOARD.md"
-    if score.exists():
-        parts.append(section("Scoreboard", "Servers under closed-loop and open-loop load (see SCOREBOARD.md).",
+    if servers and score.exists():
+        parts.append(section("Scoreboard", "Servers under closed-loop and open-loop load (see SCOREBOARD.md)."
+                             + inputs.note(RESULTS / "server" / "servers.json"),
                              score.read_text().split("\n", 2)[-1]))
-    hw = read(REPORTS / "hardware.json")
     all_rows = [r for rows in results.values() for r in rows]
     parts.append(section("Capacity, batch size and what stops you (seed 000)", "", capacity_answer(all_rows, hw)))
+    foreign = "".join(f"\n- `{name}`: {m['label']} ({m['id']})" for name, m in inputs.foreign.items())
+    parts.insert(0, f"# LLM batching lab: report\n\nGenerated by `dvc repro` (stage `report`) from the results under "
+                 f"`data/results/`. Model {cfg.model.name}, {cfg.precision.dtype} on {cfg.precision.device}, profile "
+                 f"`{cfg.profile.name}`, seed {cfg.seed}. Measured on **{machine['label']}**, {machine['memory_gib']} "
+                 f"GiB (machine `{machine['id']}`, reports/machine.json). Every figure is measured on this machine "
+                 "unless marked computed" + (f", except these files, labelled where they appear:{foreign}\n" if foreign
+                                              else ".\n"))
     plots = sorted((REPORTS / "plots").glob("*.png"))
     if plots:
         parts.append("## Plots\n\n" + "\n".join(f"![{p.stem}](plots/{p.name})" for p in plots) + "\n")

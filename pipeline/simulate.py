@@ -14,10 +14,11 @@ from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 
 from engine import LLMEngine
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.simulator import CostModel, SimRunner, VirtualClock
 from pipeline.config import ROOT, load
 from pipeline.io import write_json
-from pipeline.metrics import summarize
+from pipeline.metrics import slo_limits, summarize
 from pipeline.points import table_config
 from pipeline.replay import replay
 from pipeline.workloads import build
@@ -34,6 +35,11 @@ def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: floa
     req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6,
                            wait_until=lambda t: clock.advance_to(eng.t0 + t))
     return summarize(req, steps, ttft_limit, tpot_limit)
+
+
+def full_batch_decode(seats: int, context: int) -> SchedulerOutput:
+    """A step of `seats` decodes at `context` tokens each, in seats 0..seats-1."""
+    return SchedulerOutput(tuple(ScheduledChunk(f"d{i}", i, context - 1, (0,), sample=True) for i in range(seats)))
 
 
 def validate(cost: CostModel, base) -> tuple[list[dict], dict]:
@@ -68,7 +74,7 @@ def sweep(cost: CostModel, base, step_s: float, axis: str, values, policies, see
             for seed in seeds:
                 cfg.seed = seed
                 wl = build(cfg, None, 50000)
-                ttft, tpot = float(cfg.slo.get("ttft_steps", 25)) * step_s, float(cfg.slo.get("tpot_steps", 3)) * step_s
+                ttft, tpot = slo_limits(cfg.slo, step_s)
                 runs.append(simulate(cost, OmegaConf.to_container(cfg.policy), wl, step_s, int(cfg.seat_tokens),
                                      ttft, tpot))
             med = {k: float(np.median([r[k] for r in runs])) for k in
@@ -83,7 +89,7 @@ def sweep(cost: CostModel, base, step_s: float, axis: str, values, policies, see
 def main(cfg) -> dict:
     fitted = json.loads((RESULTS / "cost_model.json").read_text())
     cost = CostModel(**fitted["cost_model"])
-    step_s = cost.step_time(0, 8, 8 * 64)  # the full-batch decode step the model predicts (8 rows, short context)
+    step_s = cost.step_time(full_batch_decode(8, 64))  # the full-batch decode step the model predicts
     t = time.perf_counter()
     rows, stats = validate(cost, cfg)
     validation_s = time.perf_counter() - t
@@ -95,6 +101,7 @@ def main(cfg) -> dict:
     sweep_s = time.perf_counter() - t
     points = len(sweeps) * 3
     out = {"validation": rows, "validation_stats": stats, "sweeps": sweeps, "step_s": step_s,
+           "machine": fitted["machine"],
            "timing": {"validation_s": validation_s, "sweep_s": sweep_s, "sweep_points": points,
                       "points_per_s": points / sweep_s}}
     write_json(RESULTS / "simulation.json", out)

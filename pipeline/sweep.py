@@ -18,13 +18,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from pipeline.bench_engine import run_one, save_table
 from pipeline.config import load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_text
-from pipeline.make_workloads import tokenizer_and_vocab
+from pipeline.replay import run_one, save_table
 from pipeline.tables import sweep
-from pipeline.workloads import build
+from pipeline.workloads import build, tokenizer_and_vocab
 
 
 @hydra.main(config_path="../conf", config_name="sweep", version_base="1.3")
@@ -32,9 +31,9 @@ def job(cfg) -> float:
     """One run; returns its throughput (tok/s) so Hydra's sweepers can optimise over it."""
     hc = HydraConfig.get()
     tok, vocab = tokenizer_and_vocab(cfg)
-    model, _ = load_configured_model(cfg)
+    model, _ = load_configured_model(cfg, engine_only=True)
     row, req, st = run_one(model, cfg, build(cfg, tok, vocab), "sweep", " ".join(hc.overrides.task) or "default", {})
-    meta = {"config": OmegaConf.to_container(cfg), "environment": environment(cfg.precision.device)}
+    meta = {"config": OmegaConf.to_container(cfg), "machine": environment(cfg.threads, cfg.precision.device)}
     save_table(Path(hc.runtime.output_dir), "run", [row], [req], [st], meta)
     return row["throughput_tps"]
 
@@ -55,7 +54,7 @@ class Collect(Callback):
         rows = [{**r, "point": name[r["point"]]} for r in rows]  # runs named by what varies between them
         reqs = [pd.read_parquet(p.with_name("run.parquet")).assign(point=r["point"]) for p, r in zip(done, rows)]
         steps = [pd.read_parquet(p.with_name("run_steps.parquet")).assign(point=r["point"]) for p, r in zip(done, rows)]
-        meta = {"fixed": fixed, "runs": [str(p.parent) for p in done], "environment": saved[0]["environment"]}
+        meta = {"fixed": fixed, "runs": [str(p.parent) for p in done], "machine": saved[0]["machine"]}
         save_table(root, "sweep", rows, reqs, steps, meta)
         md, _ = sweep(rows)
         write_text(root / "SWEEP.md", f"# Sweep\n\n{len(rows)} runs of `python -m pipeline.sweep -m`, one per job, "

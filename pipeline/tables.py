@@ -5,6 +5,8 @@ where metrics are flat `<table>.<run>.<metric>` keys for reports/metrics.json.
 """
 import math
 
+from engine.simulator import UNITS
+
 
 def fmt(v, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -92,14 +94,17 @@ def cache(result: dict):
 
 def cost_model(result: dict):
     c, f = result["cost_model"], result["fit"]
-    md = markdown(["fixed, ms/step", "per prompt token, ms", "per decode row, ms", "per key attended, µs",
-                   "median error", "p90 error", "R²", "knee, tokens", "knee from the ridge, tokens (computed)"],
-                  [[fmt(c["fixed"] * 1e3), fmt(c["per_prompt_token"] * 1e3, 3), fmt(c["per_decode_row"] * 1e3, 3),
-                    fmt(c["per_kv_token"] * 1e6, 3), f"{f['median_rel_error']:.1%}", f"{f['p90_rel_error']:.1%}",
-                    fmt(f["r2"], 3), fmt(result["knee_tokens"], 0), fmt(result["knee_from_ridge_tokens"], 0)]])
-    return md + f"\n\nFitted to {f['steps']} measured steps.", {
-        "cost_model.knee_tokens": round(result["knee_tokens"], 1),
-        "cost_model.median_rel_error": round(f["median_rel_error"], 4)}
+    coef = markdown(["term", "fitted", "unit"], [["fixed", fmt(c["fixed"] * 1e3, 3), "ms per step"]] + [
+        [name, fmt(v * 1e6, 4), UNITS[name].replace("s per", "µs per", 1)] for name, v in c["coef"].items()])
+    kinds = markdown(["steps", "count", "median error", "p90 error", "R²"],
+                     [[k, v["steps"], f"{v['median_rel_error']:.1%}", f"{v['p90_rel_error']:.1%}", fmt(v["r2"], 3)]
+                      for k, v in [("all", f), *f["per_kind"].items()]])
+    knee = markdown(["knee, prompt tokens per step", "knee from the ridge, tokens (computed)"],
+                    [[fmt(result["knee_tokens"], 0), fmt(result["knee_from_ridge_tokens"], 0)]])
+    metrics = {"cost_model.knee_tokens": round(result["knee_tokens"], 1),
+               "cost_model.median_rel_error": round(f["median_rel_error"], 4),
+               **{f"cost_model.{k}.median_rel_error": round(v["median_rel_error"], 4) for k, v in f["per_kind"].items()}}
+    return f"{coef}\n\nFit error by kind of step:\n\n{kinds}\n\n{knee}\n\nFitted to {f['steps']} measured steps.", metrics
 
 
 def validation(sim: dict):

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from engine.loader import load_tokenizer
 from pipeline.prompts import long_prompts, short_prompts
 
 
@@ -32,6 +33,12 @@ def arrival_steps(rng, n: int, load, mean_output: float) -> np.ndarray:
         raise ValueError(f"load.process {load.process!r}: choose all_at_once, poisson, gamma or closed")
     gaps[0] = 0.0
     return np.cumsum(gaps)
+
+
+def tokenizer_and_vocab(cfg):
+    """(tokenizer or None, vocabulary size) of the configured model, for building prompts."""
+    tok = load_tokenizer(cfg.model)
+    return tok, len(tok) if tok is not None else int(cfg.model.config.vocab_size)
 
 
 def build(cfg, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:

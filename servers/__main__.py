@@ -1,7 +1,12 @@
 """python -m servers [Hydra overrides], e.g. `python -m servers server=engine policy=continuous policy.max_seats=64
 port=8000`, `server=naive`, or `server=batcher server.max_batch=16 server.max_wait_ms=50`.
-Binds 127.0.0.1 unless told otherwise (host=0.0.0.0)."""
+Binds 127.0.0.1 unless told otherwise (host=0.0.0.0).
+
+SIGTERM drains: new requests get 503 and /health says "draining"; requests in flight get server.shutdown_grace_s
+seconds to finish, then end with an error event; the process exits 0.
+"""
 import os
+import signal
 import sys
 import threading
 
@@ -18,7 +23,7 @@ from servers.worker import EngineWorker
 
 def build(cfg):
     """The app for a composed config: the model, the engine with the configured policy, its worker thread."""
-    model, tokenizer = load_configured_model(cfg)
+    model, tokenizer = load_configured_model(cfg, engine_only=cfg.server.name == "engine")
     if tokenizer is None:
         raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
     srv = cfg.server
@@ -30,7 +35,8 @@ def build(cfg):
         worker = GenerateWorker(model, eos_ids(model), int(srv.seat_tokens), int(srv.max_batch), float(srv.max_wait_ms),
                                 int(srv.max_waiting), tokenizer.pad_token_id or 0)
     key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
-    return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens)), worker
+    return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens),
+                      float(srv.max_queue_wait_s)), worker
 
 
 def main(argv: list[str]):
@@ -38,9 +44,12 @@ def main(argv: list[str]):
     overrides = [f"server.{a}" if a.split("=")[0] in ("port", "host") else a for a in argv]
     cfg = compose_config(overrides)
     app, worker = build(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning",
+                                           timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
+    grace = float(cfg.server.shutdown_grace_s)
+    signal.signal(signal.SIGTERM, lambda *_: worker.drain(grace))  # runs in this (the main) thread, between steps
     try:
         worker.run()
     except KeyboardInterrupt:

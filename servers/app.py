@@ -1,7 +1,24 @@
 """The OpenAI-compatible app: /v1/chat/completions, /v1/completions (SSE streaming or not), /v1/models,
-/health and /metrics. Errors are OpenAI-shaped JSON with the right status."""
+/health and /metrics. Errors are OpenAI-shaped JSON with the right status.
+
+Admission: a request is refused at once with 429 and Retry-After (integer seconds) when the queue holds
+`max_waiting` requests, or when the worker's estimate of its wait to the first token exceeds `max_queue_wait_s`
+or the request's own deadline (Retry-After: the estimate's excess over that limit, at least 1 s: the work ahead
+drains in real time). While the server drains for shutdown, new requests get 503.
+
+A request's deadline is the `x-stainless-read-timeout` header (seconds, a number), which the official OpenAI
+SDKs send with every request: the client's read timeout, after which it gives up on a response that has not
+started. A request whose first token has not come by then is dropped (aborted, its seat or queue place freed)
+and answered 408 (an error event when streaming). A client that disconnects, streaming or not, has its request
+aborted within one engine step.
+
+Logprobs are those of the raw model distribution (before penalties, temperature, top-k and top-p), as vLLM and
+OpenAI report them; the Hugging Face generate backends refuse logprobs and penalties (400).
+"""
 import asyncio
 import json
+import math
+import os
 import time
 import uuid
 
@@ -10,18 +27,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
-from engine import RequestError, SamplingParams
+from engine import RequestError
+from engine.sampler import ServingParams
+from servers.generate_worker import NO_PER_ROW, GenerateWorker
 from servers.metrics import ServerMetrics
 from servers.protocol import ChatRequest, CompletionRequest, error
 from servers.text import Detokenizer
-from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
 
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages"}  # engine field -> API field
+DEADLINE_HEADER = "x-stainless-read-timeout"                           # s the client waits for a response
+STATUS = {"error": (500, "server_error"), "shutdown": (503, "server_error")}  # event prefix -> HTTP status, type
+
+
+class Failed(Exception):
+    """A request ended without an answer: the HTTP status, error type and message to send."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
 
 
 def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str, api_key: str | None = None,
-               default_max_tokens: int = 256) -> FastAPI:
+               default_max_tokens: int = 256, max_queue_wait_s: float = 10.0) -> FastAPI:
     app = FastAPI(title="LLM Batching Lab", version="0.1.0")
     metrics = ServerMetrics(model_name)
     worker.on_step = lambda step, events: metrics.on_step(step, worker.num_seats, worker.num_running,
@@ -33,8 +64,9 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
+        text = str(first.get("msg", "")).removeprefix("Value error, ")
         msg = "request body is not valid JSON" if first.get("type") == "json_invalid" else \
-            f"{param or 'body'}: {first.get('msg')}"
+            f"{param or 'body'}: {text}"
         return error(400, msg, param)
 
     @app.middleware("http")
@@ -47,9 +79,13 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
 
     @app.get("/health")
     async def health():
-        if not worker.alive:
-            return JSONResponse({"status": "down", "error": worker.error}, status_code=503)
-        return {"status": "ok", "running": worker.num_running, "waiting": worker.queued()}
+        rss_mb = resident_mb()
+        if not worker.alive and not worker.draining:
+            return JSONResponse({"status": "down", "error": worker.error, "rss_mb": rss_mb}, status_code=503)
+        state = {"running": worker.num_running, "waiting": worker.queued(), "rss_mb": rss_mb}
+        if worker.draining:
+            return JSONResponse({"status": "draining", **state}, status_code=503)
+        return {"status": "ok", **state}
 
     @app.get("/metrics")
     async def prom():
@@ -59,69 +95,120 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "lab"}]}
 
-    def check(body) -> JSONResponse | None:
-        if body.model not in (None, model_name):
-            return error(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model",
-                         code="model_not_found")
+    def deadline_of(request: Request) -> float | None:
+        """The client's deadline in seconds from now, from its header; None if it sent none or not a number."""
+        try:
+            s = float(request.headers.get(DEADLINE_HEADER, ""))
+        except ValueError:
+            return None
+        return s if s > 0 and math.isfinite(s) else None
+
+    def admit(prompt: list[int], max_tokens: int, deadline: float | None) -> JSONResponse | None:
+        if worker.draining:
+            return error(503, "the server is shutting down; retry on another replica", None, "server_error")
         if not worker.alive:
             return error(503, "the engine is down; see /health", None, "server_error")
         if worker.queued() >= worker.max_waiting:
             return error(429, f"the waiting queue is full ({worker.max_waiting} requests); retry shortly", None,
                          "rate_limit_error", headers={"Retry-After": "1"})
+        wait = worker.wait_estimate(len(prompt), max_tokens)
+        limit = min(max_queue_wait_s, deadline or math.inf)
+        if wait > limit:
+            retry = max(1, math.ceil(wait - limit))
+            return error(429, f"overloaded: the estimated wait to the first token is {wait:.1f} s, over the "
+                              f"{limit:g} s allowed; retry in {retry} s", None, "rate_limit_error",
+                         headers={"Retry-After": str(retry)})
         return None
 
-    async def serve(body, prompt: list[int], chat: bool, max_tokens: int | None):
-        bad = check(body)
-        if bad:
-            return bad
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        params = SamplingParams(max_new_tokens=max_tokens or default_max_tokens, temperature=body.temperature,
-                                top_p=body.top_p, top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
+    def params_of(body, max_tokens: int) -> ServingParams:
+        def given(v, default):
+            return default if v is None else v
+
+        return ServingParams(max_new_tokens=max_tokens, temperature=given(body.temperature, 1.0),
+                             top_p=given(body.top_p, 1.0), top_k=max(0, given(body.top_k, 0)), seed=body.seed,
+                             ignore_eos=bool(body.ignore_eos), presence_penalty=given(body.presence_penalty, 0.0),
+                             frequency_penalty=given(body.frequency_penalty, 0.0),
+                             repetition_penalty=given(body.repetition_penalty, 1.0), logprobs=body.logprobs_k)
+
+    async def serve(request: Request, body, prompt: list[int], chat: bool, max_tokens: int | None):
+        if body.model not in (None, model_name):
+            return error(404, f"model {body.model!r} does not exist; this server serves {model_name!r}", "model",
+                         code="model_not_found")
+        params = params_of(body, max_tokens or default_max_tokens)
+        if isinstance(worker, GenerateWorker):
+            asked = [f for f in NO_PER_ROW if getattr(params, f) != getattr(ServingParams, f)]
+            if asked:
+                return error(400, f"{asked[0]}: not supported by the Hugging Face generate backends (one sampling "
+                                  "setting per batch); use server=engine", asked[0])
         try:
             worker.validate(prompt, params)
         except RequestError as exc:
             return error(400, str(exc).replace("max_new_tokens", "max_tokens"), FIELD_NAMES.get(exc.field, exc.field))
+        deadline = deadline_of(request)
+        refused = admit(prompt, params.max_new_tokens, deadline)
+        if refused:
+            return refused
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         arrival = time.perf_counter()
         worker.submit(rid, prompt, params, loop, q)
-        stream = Stream(rid, prompt, chat, body, tokenizer, stop, eos, q, worker, metrics, arrival, model_name)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        stream = Stream(rid, prompt, chat, body, tokenizer, stop, eos, q, worker, metrics, arrival, model_name,
+                        None if deadline is None else arrival + deadline)
         if body.stream:
             return StreamingResponse(stream.sse(), media_type="text/event-stream")
-        return await stream.whole()
+        return await stream.whole(request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
-        msgs = [m.model_dump() for m in body.messages]
+    async def chat(request: Request, body: ChatRequest):
+        msgs = [m.text() for m in body.messages]
         prompt = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
-        return await serve(body, prompt, True, body.max_completion_tokens or body.max_tokens)
+        return await serve(request, body, prompt, True, body.max_completion_tokens or body.max_tokens)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(request: Request, body: CompletionRequest):
         prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
-        return await serve(body, prompt, False, body.max_tokens)
+        if not prompt:
+            return error(400, "prompt: encodes to no tokens", "prompt")
+        return await serve(request, body, prompt, False, body.max_tokens)
 
     return app
 
 
 class Stream:
-    """One request's tokens as OpenAI chunks or one whole response; aborts the request if the client leaves."""
+    """One request's tokens as OpenAI chunks or one whole response; aborts the request if the client leaves or
+    its deadline passes before the first token."""
 
-    def __init__(self, rid, prompt, chat, body, tokenizer, stop, eos, q, worker, metrics, arrival, model_name):
+    def __init__(self, rid, prompt, chat, body, tokenizer, stop, eos, q, worker, metrics, arrival, model_name,
+                 deadline: float | None):
         self.rid, self.prompt, self.chat, self.body, self.model = rid, prompt, chat, body, model_name
-        self.detok = Detokenizer(tokenizer, stop)
+        self.tokenizer, self.detok = tokenizer, Detokenizer(tokenizer, stop)
         self.eos, self.q, self.worker, self.metrics, self.arrival = eos, q, worker, metrics, arrival
+        self.deadline = deadline                      # time.perf_counter() by which the first token must come
         self.created, self.n, self.last = int(time.time()), 0, None
         self.finish: str | None = None
+        self.failed = False                           # the worker ended it with an error or shutdown event
+        self.lp_entries: list[tuple[int, float, tuple]] = []  # (token, logprob, top) not yet sent
+
+    async def _next(self):
+        if self.last is not None or self.deadline is None:
+            return await self.q.get()
+        try:
+            return await asyncio.wait_for(self.q.get(), max(0.0, self.deadline - time.perf_counter()))
+        except asyncio.TimeoutError:
+            raise Failed(408, "timeout_error", "the request's deadline (x-stainless-read-timeout) passed before "
+                                               "its first token; it was dropped") from None
 
     async def events(self):
         """(text delta, finish reason or None) until the request ends; aborts it if the consumer stops early."""
         try:
             while self.finish is None:
-                e = await self.q.get()
-                if e.finish_reason and e.finish_reason.startswith("error"):
-                    raise RuntimeError(e.finish_reason)
+                e = await self._next()
+                kind, _, msg = (e.finish_reason or "").partition(":")
+                if kind in STATUS:
+                    self.failed = True
+                    raise Failed(*STATUS[kind], msg.strip())
                 now = time.perf_counter()
                 lab = self.metrics.labels
                 if e.token is not None:
@@ -130,6 +217,8 @@ class Stream:
                         now - (self.arrival if self.last is None else self.last))
                     self.last = now
                 visible = e.token if e.token is not None and (e.token not in self.eos or self.body.ignore_eos) else None
+                if visible is not None and e.logprob is not None:
+                    self.lp_entries.append((visible, e.logprob, e.top_logprobs))
                 text = self.detok.add(visible, final=bool(e.finish_reason))
                 if self.detok.stopped:
                     self.finish = "stop"
@@ -138,8 +227,10 @@ class Stream:
                     self.finish = e.finish_reason
                 yield text, self.finish
         finally:
-            if self.finish is None:  # the client went away: free the seat
+            if self.finish is None:  # the request failed, the client went away, or its deadline passed
                 self.worker.abort(self.rid)
+                reason = "error" if self.failed else "abort"
+                self.metrics.finished.labels(**self.metrics.labels, finished_reason=reason).inc()
             else:
                 self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - self.arrival)
                 self.metrics.finished.labels(**self.metrics.labels, finished_reason=self.finish).inc()
@@ -148,49 +239,97 @@ class Stream:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.n,
                 "total_tokens": len(self.prompt) + self.n}
 
-    def chunk(self, text: str, finish: str | None, first: bool) -> dict:
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def logprobs(self, offset: int = 0) -> dict | None:
+        """The logprobs of the tokens not yet sent, in the endpoint's format (None if none were asked)."""
+        if self.body.logprobs_k is None:
+            return None
+        entries, self.lp_entries = self.lp_entries, []
+        if self.chat:
+            def item(t, lp):
+                s = self._text(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, b) for a, b in top]}
+                                for t, lp, top in entries]}
+        tokens = [self._text(t) for t, _, _ in entries]
+        offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self._text(a): b for a, b in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+    def chunk(self, text: str, finish: str | None, first: bool, offset: int) -> dict:
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) if text or first else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(), "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(offset), "finish_reason": finish}
             obj = "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
 
     async def sse(self):
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
-        first = True
+        opts = self.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        every = include_usage and opts.continuous_usage_stats  # usage on every chunk (vLLM's extension)
+        first, sent = True, 0
         try:
             async for text, finish in self.events():
                 if text or finish or first:
-                    c = self.chunk(text, finish, first)
+                    c = self.chunk(text, finish, first, sent)
                     if include_usage:
-                        c["usage"] = None
+                        c["usage"] = self.usage() if every else None
                     yield f"data: {json.dumps(c)}\n\n"
-                    first = False
-        except RuntimeError as exc:
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
+                    first, sent = False, sent + len(text)
+        except Failed as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
         if include_usage:
-            tail = {**self.chunk("", None, False), "choices": [], "usage": self.usage()}
+            tail = {**self.chunk("", None, False, sent), "choices": [], "usage": self.usage()}
             yield f"data: {json.dumps(tail)}\n\n"
         yield "data: [DONE]\n\n"
 
-    async def whole(self):
-        parts = []
+    async def _collect(self) -> str:
+        return "".join([text async for text, _ in self.events()])
+
+    async def whole(self, request: Request):
+        """The whole response; a client that disconnects first has its request aborted (events' finally)."""
+        answer = asyncio.ensure_future(self._collect())
+        gone = asyncio.ensure_future(disconnected(request))
         try:
-            async for text, _ in self.events():
-                parts.append(text)
-        except RuntimeError as exc:
-            return error(500, str(exc), None, "server_error")
-        text = "".join(parts)
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+            return error(499, "the client disconnected", None)
+        try:
+            text = answer.result()
+        except Failed as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(),
                       "finish_reason": self.finish}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(), "finish_reason": self.finish}
             obj = "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
+
+
+def resident_mb() -> float | None:
+    """This process's resident memory in MiB (Linux /proc); None where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def disconnected(request: Request) -> None:
+    """Return when the client closes its connection (the body is read already, so receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

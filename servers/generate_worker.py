@@ -4,7 +4,10 @@ at most `max_wait_ms` after the first, then one left-padded batch generate strea
 
 A batch is closed once it starts: newcomers wait for the whole batch, finished rows keep computing until the
 longest ends, and an infinite wait is pure static batching (a lone request waits for company forever).
-One sampling setting per batch (the first request's): batch generate has no per-row temperature or seed.
+One sampling setting per batch (the first request's): batch generate has no per-row temperature or seed, and
+so no per-row penalties or logprobs either; the app refuses those on these backends (400, see NO_PER_ROW).
+A failure inside generate ends every request of the batch and of the queue with an error event and marks the
+worker down.
 """
 import math
 import queue
@@ -20,7 +23,9 @@ from engine import LLMEngine, SamplingParams
 from engine.hf import generate_padded
 from engine.request import stop_reason
 from engine.scheduler import StepEvent
-from servers.worker import Worker
+from servers.worker import SHUTDOWN, Worker
+
+NO_PER_ROW = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")  # ServingParams fields
 
 
 @dataclass
@@ -40,10 +45,18 @@ class BatchStreamer(BaseStreamer):
 
     def __init__(self, worker: "GenerateWorker", jobs: list[Job]):
         self.worker, self.jobs, self.prompt_seen = worker, jobs, False
+        self.last: float | None = None  # time.perf_counter() of the previous step's tokens
 
     def put(self, value):
         if not self.prompt_seen:  # the first call carries the prompt ids
             self.prompt_seen = True
+            return
+        now = time.perf_counter()
+        if self.last is not None:
+            self.worker._measure("decode", now - self.last, 0)
+        self.last = now
+        if self.worker._drain_overdue():
+            self.worker._fail(self.jobs, SHUTDOWN)
             return
         tokens = value.view(-1).tolist()
         live = 0
@@ -90,19 +103,45 @@ class GenerateWorker(Worker):
         self.max_batch, self.max_wait, self.pad_id = max_batch, max_wait_ms / 1000.0, pad_id
         self.num_seats = max_batch
         self.aborted: set[str] = set()
+        self.waiting: dict[str, Job] = {}   # rid -> job submitted and not yet in a batch (nor aborted)
+        self.batch: list[Job] = []          # the batch generate is running
 
     @property
     def num_waiting(self) -> int:
-        return self.inbox.qsize()
+        return len(self.waiting)
 
     def queued(self) -> int:
-        return self.inbox.qsize()
+        return len(self.waiting)
 
     def submit(self, rid, prompt, params, loop, q):
-        self.inbox.put(Job(rid, prompt, params, loop, q))
+        job = Job(rid, prompt, params, loop, q)
+        self.waiting[rid] = job
+        self.inbox.put(job)
+        if self.error is not None:  # the loop has died: no one will answer from the inbox
+            self._fail([job], "error: the generate backend failed; see /health")
 
     def abort(self, rid: str):
         self.aborted.add(rid)
+        self.waiting.pop(rid, None)
+
+    def wait_estimate(self, prompt_len: int, max_tokens: int) -> float:
+        """The running batch's longest row left, then each batch of up to max_batch queued requests runs to its
+        longest max_tokens; a step costs the measured s per generate step. 0 until a step was measured."""
+        if self.decode_s is None:
+            return 0.0
+        now = [j.params.max_new_tokens - j.count for j in self.batch if not j.done]
+        queued = [j.params.max_new_tokens for j in list(self.waiting.values())]
+        steps = max(now, default=0) + sum(max(queued[i:i + self.max_batch])
+                                          for i in range(0, len(queued), self.max_batch))
+        return steps * self.decode_s
+
+    def _fail(self, jobs: list[Job], reason: str) -> None:
+        """End every open job in `jobs` with `reason` as its last event."""
+        for job in jobs:
+            if not job.done and job.rid not in self.aborted:
+                job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, None, reason))
+            job.done = True
+            self.waiting.pop(job.rid, None)
 
     def _collect(self) -> list[Job]:
         """Block for a first job, then take more until the batch is full or the window after the first closes."""
@@ -110,10 +149,11 @@ class GenerateWorker(Worker):
             batch = [self.inbox.get(timeout=0.5)]
         except queue.Empty:
             return []
-        if not isinstance(batch[0], Job):  # stop()'s wake-up
+        if not isinstance(batch[0], Job):  # stop()'s or drain()'s wake-up
             return []
+        self.waiting.pop(batch[0].rid, None)
         deadline = time.monotonic() + self.max_wait
-        while len(batch) < self.max_batch and not self._stop.is_set():
+        while len(batch) < self.max_batch and not (self._stop.is_set() or self.draining):  # a drain runs what it has
             left = deadline - time.monotonic()
             if left <= 0 and not math.isinf(self.max_wait):
                 break
@@ -123,6 +163,7 @@ class GenerateWorker(Worker):
                 continue
             if isinstance(job, Job):
                 batch.append(job)
+                self.waiting.pop(job.rid, None)
         return [j for j in batch if j.rid not in self.aborted]
 
     def _generate(self, batch: list[Job]):
@@ -133,18 +174,35 @@ class GenerateWorker(Worker):
                     "top_k": first.top_k or None} if first.temperature > 0 else {"do_sample": False}
         if first.seed is not None:
             torch.manual_seed(first.seed)
-        self.num_running = len(batch)
+        self.num_running, self.batch = len(batch), batch
         generate_padded(self.model, [j.prompt for j in batch], new, self.pad_id, min_new_tokens=forced,
                         streamer=BatchStreamer(self, batch), stopping_criteria=StoppingCriteriaList([RowsDone(batch)]),
                         **sampling)
         self.num_running = 0
 
+    def _queued_jobs(self) -> list[Job]:
+        """Take every job still in the inbox."""
+        jobs = []
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return jobs
+            if isinstance(item, Job):
+                jobs.append(item)
+
     def _loop(self):
         try:
             while not self._stop.is_set():
+                if self.draining and (self._drain_overdue() or not self.waiting):
+                    self._fail(self._queued_jobs(), SHUTDOWN)
+                    break
                 batch = self._collect()
                 if batch:
                     self._generate(batch)
                     self.aborted -= {j.rid for j in batch}
+                    self.batch = []
         except Exception:
             self.error = traceback.format_exc(limit=3)
+            self._fail(self.batch + self._queued_jobs(), "error: the generate backend failed; see /health")
+            self.num_running = 0

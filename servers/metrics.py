@@ -23,8 +23,8 @@ class ServerMetrics:
                                      registry=self.registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=self.registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=self.registry)
-        self.finished = Counter("vllm:request_success", "Finished requests by reason.", labels + ["finished_reason"],
-                                registry=self.registry)
+        self.finished = Counter("vllm:request_success", "Finished requests by reason (stop, length, abort, error).",
+                                labels + ["finished_reason"], registry=self.registry)
 
     def on_step(self, step: dict, num_seats: int, running: int, waiting: int):
         """Called from the engine thread after every forward pass."""

@@ -2,19 +2,29 @@
 
 The thread sleeps on the inbox when the engine is idle, drains it before every step (adds and aborts), and hands
 every event back to the event loop with call_soon_threadsafe. An exception fails every request in flight and
-marks the worker down (503 and /health).
+marks the worker down (503 and /health). drain(grace_s) stops the loop once what is in flight has finished, or
+at the grace deadline, failing what is left with a "shutdown:" event.
+
+Admission by time: the worker measures its step costs (exponential moving averages) and estimates, for a new
+request, the wait to its first token from the work ahead of it (see wait_estimate).
 """
+import heapq
 import queue
 import threading
-from abc import ABC, abstractmethod
+import time
 import traceback
+from abc import ABC, abstractmethod
 
 from engine import LLMEngine, SamplingParams
 from engine.scheduler import StepEvent
 
+EMA = 0.2                                          # weight of the newest measurement in the moving averages
+SHUTDOWN = "shutdown: the server is shutting down and this request did not finish within the grace period"
+
 
 class Worker(ABC):
-    """What both workers share: an inbox, a loop run in a thread or in the caller, an error that marks it down."""
+    """What both workers share: an inbox, a loop run in a thread or in the caller, an error that marks it down,
+    a drain deadline, the step-cost averages."""
 
     def __init__(self, max_waiting: int):
         self.max_waiting = max_waiting
@@ -22,12 +32,19 @@ class Worker(ABC):
         self.error: str | None = None
         self.num_running = 0
         self.on_step = None                       # callback(step record, events) for metrics
+        self.drain_deadline: float | None = None  # time.monotonic() s at which a drain fails what is left
+        self.decode_s: float | None = None        # s per decode step (moving average)
+        self.prefill_s: float = 0.0               # s per prompt token (moving average)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
 
     @abstractmethod
     def _loop(self):
         """Serve the inbox until stop(); set self.error and fail what is in flight on an exception."""
+
+    @abstractmethod
+    def wait_estimate(self, prompt_len: int, max_tokens: int) -> float:
+        """Estimated seconds from now to a new request's first token, from the work ahead of it."""
 
     def start(self):
         """Run the loop in a thread of its own (tests). A server runs it in the main thread (`run`) instead:
@@ -36,7 +53,7 @@ class Worker(ABC):
         self._thread.start()
 
     def run(self):
-        """Run the loop in the calling thread until stop()."""
+        """Run the loop in the calling thread until stop() or the end of a drain."""
         self._thread = threading.current_thread()
         self._loop()
 
@@ -45,6 +62,28 @@ class Worker(ABC):
         self.inbox.put(("wake",))
         if self._thread is not threading.current_thread() and self._thread.is_alive():
             self._thread.join(timeout=10)
+
+    def drain(self, grace_s: float) -> None:
+        """Admit nothing more; let what is in flight finish for up to grace_s seconds, then fail it and stop.
+        Safe from a signal handler: sets a deadline and wakes the loop."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + grace_s
+            self.inbox.put(("wake",))
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
+
+    def _drain_overdue(self) -> bool:
+        return self.draining and time.monotonic() >= self.drain_deadline
+
+    def _measure(self, kind: str, duration: float, prompt_tokens: int) -> None:
+        """Fold one step into the averages: decode steps give s/step, prefill steps s/prompt token."""
+        if kind == "decode":
+            self.decode_s = duration if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * duration
+        elif prompt_tokens:
+            spent = max(0.0, duration - (self.decode_s or 0.0) if kind == "mixed" else duration) / prompt_tokens
+            self.prefill_s = spent if not self.prefill_s else (1 - EMA) * self.prefill_s + EMA * spent
 
     @property
     def alive(self) -> bool:
@@ -57,6 +96,9 @@ class EngineWorker(Worker):
         self.engine = engine
         self.streams: dict[str, tuple] = {}       # rid -> (loop, asyncio.Queue), owned by the engine thread
         self.num_waiting = 0                      # snapshot for /metrics, refreshed every step
+        self.pending: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, max tokens), submitted, not yet queued
+        self.ahead: tuple[list[int], list[tuple[int, int]]] = ([], [])  # tokens left per running request;
+        # (prompt tokens, max tokens) per queued one; replaced whole by the engine thread after every step
 
     @property
     def eos_ids(self) -> frozenset:
@@ -70,13 +112,30 @@ class EngineWorker(Worker):
         self.engine.validate(prompt, params)
 
     def queued(self) -> int:
-        return self.num_waiting + self.inbox.qsize()
+        return self.num_waiting + len(self.pending)
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams, loop, q) -> None:
+        self.pending[rid] = (len(prompt), params.max_new_tokens)
         self.inbox.put(("add", rid, prompt, params, loop, q))
+        if self.error is not None:  # the loop has died: no one will answer from the inbox
+            loop.call_soon_threadsafe(q.put_nowait, StepEvent(rid, None, "error: the engine failed; see /health"))
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
+
+    def wait_estimate(self, prompt_len: int, max_tokens: int) -> float:
+        """Seats free up as running requests finish (at most their tokens left, in decode steps); each queued
+        request takes the first seat to free for its max_tokens; the new request gets the next one. Every prompt
+        ahead and its own is prefilled at the measured cost per token. 0 until a decode step was measured."""
+        if self.decode_s is None:
+            return 0.0
+        running, waiting = self.ahead
+        waiting = waiting + list(self.pending.values())
+        free = [0] * max(0, self.num_seats - len(running)) + list(running)
+        heapq.heapify(free)
+        for _, m in waiting:
+            heapq.heappush(free, heapq.heappop(free) + m)
+        return free[0] * self.decode_s + (prompt_len + sum(p for p, _ in waiting)) * self.prefill_s
 
     def _emit(self, event: StepEvent):
         target = self.streams.get(event.rid)
@@ -99,18 +158,32 @@ class EngineWorker(Worker):
                     self.engine.add_request(rid, prompt, params)
                 except Exception as exc:  # validated already; anything left is reported to that request only
                     self._emit(StepEvent(rid, None, f"error: {exc}"))
+                self.num_waiting = len(self.engine.scheduler.waiting)  # counted there before it leaves pending
+                self.pending.pop(rid, None)
             elif item[0] == "abort":
                 self.engine.abort(item[1])
                 self.streams.pop(item[1], None)
+                self.pending.pop(item[1], None)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
+    def _fail_all(self, reason: str) -> None:
+        """Send `reason` as the last event of every request in flight or still in the inbox; abort them."""
+        self._drain(block=False, timeout=None)
+        for rid in list(self.streams):
+            self._emit(StepEvent(rid, None, reason))
+            if self.error is None:
+                self.engine.abort(rid)
+
     def _loop(self):
         try:
             stalled = True  # the last step ran nothing: sleep until a request arrives or a batching deadline
             while not self._stop.is_set():
+                if self.draining and (self._drain_overdue() or not (self.streams or self.pending)):
+                    self._fail_all(SHUTDOWN)
+                    break
                 wake = self.engine.wake_time()
                 timeout = 0.5 if wake is None else max(0.0, wake - self.engine.now())
                 self._drain(block=stalled, timeout=timeout if stalled else None)
@@ -119,12 +192,16 @@ class EngineWorker(Worker):
                 stalled = len(self.engine.steps) == ran
                 sched = self.engine.scheduler
                 self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
-                if len(self.engine.steps) > ran and self.on_step:
-                    self.on_step(self.engine.steps[-1], events)
+                self.ahead = ([r.params.max_new_tokens - len(r.output) for r in sched.running],
+                              [(len(r.prompt), r.params.max_new_tokens) for r in sched.waiting])
+                if not stalled:
+                    step = self.engine.steps[-1]
+                    self._measure(step["kind"], step["duration"], step["num_prompt_tokens"])
+                    if self.on_step:
+                        self.on_step(step, events)
                 del self.engine.steps[:-1]  # keep memory flat on a long-running server
                 for e in events:
                     self._emit(e)
         except Exception:
             self.error = traceback.format_exc(limit=3)
-            for rid in list(self.streams):
-                self._emit(StepEvent(rid, None, "error: the engine failed; see /health"))
+            self._fail_all("error: the engine failed; see /health")

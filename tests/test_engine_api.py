@@ -37,26 +37,39 @@ def test_engine_serves_others_after_a_refusal(engine):
     assert len(good.output) == 4 and good.finish_reason == "length"
 
 
+def first_fresh(tokens: list[int]) -> int:
+    """Index of the first token, after the first, that has not appeared before it."""
+    return next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+
+
 def test_eos_stops_unless_ignored(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, seat_tokens=64, eos_ids=[2])
+    """EOS ends a request on its first appearance; under ignore_eos it is never emitted (as min_new_tokens does in
+    generate) and the request runs to max_new_tokens; a stop token ends it even then."""
+    probe = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64).generate(
+        [[5, 6]], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    k = first_fresh(probe)
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, seat_tokens=64, eos_ids=[probe[k]])
     free = eng.add_request("free", [5, 6], SamplingParams(max_new_tokens=40))
     forced = eng.add_request("forced", [5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True))
     while eng.has_work():
         eng.step()
-    assert len(forced.output) == 40 and 2 not in forced.output
-    stop_tok = forced.output[3]
-    eng.add_request("stopper", [5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True, stop_token_ids=(stop_tok,)))
+    assert free.output == probe[:k + 1] and free.finish_reason == "stop"
+    assert forced.output[:k] == probe[:k] and probe[k] not in forced.output
+    assert len(forced.output) == 40 and forced.finish_reason == "length"
+    m = first_fresh(forced.output)
+    stopper = eng.add_request("stopper", [5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                                 stop_token_ids=(forced.output[m],)))
     ev = []
     while eng.has_work():
         ev += eng.step()
-    assert ev[-1].finish_reason == "stop" and ev[-1].token == stop_tok
-    assert free.finish_reason in ("stop", "length")
+    assert ev[-1].finish_reason == "stop" and ev[-1].token == forced.output[m]
+    assert stopper.output == forced.output[:m + 1]
 
 
 def test_several_eos_ids_each_stop(tiny_llama):
     eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64, eos_ids=[])
     probe = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
-    j = next(i for i in range(1, len(probe)) if probe[i] not in probe[:i])  # first fresh token after the first
+    j = first_fresh(probe)
     unused = next(t for t in range(3, 512) if t not in probe)
     eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64, eos_ids=[unused, probe[j]])
     out = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30))[0]

@@ -1,10 +1,17 @@
 """The engine's tokens equal Hugging Face generate run on each request alone, token for token, for every policy."""
 import random
+from pathlib import Path
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
-from engine.runner import ModelRunner
+from engine import LLMEngine, SamplingParams
 from engine.hf import generate_alone
+from engine.loader import random_model
+from engine.model import ROW_BLOCK
+from engine.request import Status
+from engine.runner import ModelRunner
 from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 
 
@@ -23,22 +30,101 @@ def test_seed_scenario_matches_generate(references, policy):
         assert out[str(i)] == expected, f"{name} {policy['name']}: request {i} differs"
 
 
+RANDOM_POLICIES = ["naive", "static", "dynamic", "bucketed", "continuous", "mixed", "chunked-under", "chunked-over"]
+_scenarios: dict[int, tuple] = {}  # seed -> (scenario, generate's outputs)
+
+
+def random_scenario(model, seed: int):
+    """Random seats, prompt and output lengths and arrivals (a whole number of batches per seat count), with
+    generate's tokens for each request; made once per seed."""
+    if seed not in _scenarios:
+        rng = random.Random(seed)
+        seats = rng.randint(2, 4)
+        n = seats * rng.randint(2, 3)  # static launches only full batches
+        prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 60))] for _ in range(n)]
+        lens = [rng.randint(1, 25) for _ in range(n)]
+        arrive: dict[int, list[int]] = {}
+        for i in range(n):
+            arrive.setdefault(rng.randint(0, 30), []).append(i)
+        ref = [generate_alone(model, p, k) for p, k in zip(prompts, lens)]
+        _scenarios[seed] = (seats, prompts, lens, arrive), ref
+    return _scenarios[seed]
+
+
+def random_policy(name: str, seats: int, rng: random.Random) -> dict:
+    """chunked-under: a token budget (2 or more) below the seat count, so the budget, not the seats, caps the rows
+    of a step and decodes can take all of it while prompts wait; chunked-over: a budget above the seat count."""
+    if name == "chunked-under":
+        return {"name": "chunked", "max_seats": seats + 2, "token_budget": rng.randint(2, seats + 1)}
+    if name == "chunked-over":
+        return {"name": "chunked", "max_seats": seats, "token_budget": rng.randint(seats + 1, 40)}
+    if name in ("dynamic", "bucketed"):
+        return {"name": name, "max_seats": seats, "max_batch": seats, "max_wait_ms": rng.choice([0, 2000, 5000])}
+    if name == "static":
+        return {"name": name, "max_seats": seats, "max_batch": seats}
+    return {"name": name, "max_seats": seats}
+
+
+def test_random_arrivals_cover_every_policy():
+    assert {p["name"] for p in POLICIES} == {random_policy(n, 3, random.Random(0))["name"] for n in RANDOM_POLICIES}
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_randomized_arrivals_match_generate(tiny_llama, seed):
-    """Random arrivals, seat counts, prompt and output lengths, and policy."""
-    rng = random.Random(seed)
-    n = rng.randint(4, 9)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 60))] for _ in range(n)]
-    lens = [rng.randint(1, 25) for _ in range(n)]
-    arrive: dict[int, list[int]] = {}
-    for i in range(n):
-        arrive.setdefault(rng.randint(0, 30), []).append(i)
-    seats = rng.randint(1, 5)
-    policy = rng.choice([{"name": "continuous"}, {"name": "mixed"}, {"name": "chunked", "token_budget": rng.randint(2, 40)},
-                         {"name": "dynamic", "max_batch": seats, "max_wait_ms": 2000}])
-    out = run_scenario(tiny_llama, {**policy, "max_seats": seats}, prompts, lens, arrive)
-    for i in range(n):
-        assert out[str(i)] == generate_alone(tiny_llama, prompts[i], lens[i]), f"{policy} seats={seats}: request {i}"
+@pytest.mark.parametrize("name", RANDOM_POLICIES)
+def test_randomized_arrivals_match_generate(tiny_llama, name, seed):
+    """Every policy on random arrivals, seat counts, prompt and output lengths."""
+    (seats, prompts, lens, arrive), ref = random_scenario(tiny_llama, seed)
+    policy = random_policy(name, seats, random.Random(f"{name}{seed}"))
+    out = run_scenario(tiny_llama, policy, prompts, lens, arrive)
+    for i, expected in enumerate(ref):
+        assert out[str(i)] == expected, f"{policy}: request {i}"
+
+
+def test_abort_during_a_chunked_prefill_frees_its_seat(tiny_llama):
+    """A prompt cut by the token budget is aborted half computed: its seat is free on the next step, the other
+    request's tokens are generate's, and a shorter prompt placed in that seat ignores the K/V left there."""
+    clock = [0.0]
+    eng = LLMEngine(tiny_llama, {"name": "chunked", "max_seats": 2, "token_budget": 8}, seat_tokens=64,
+                    clock=lambda: clock[0])
+    prompts = {"other": [20, 21, 22, 23, 24], "long": list(range(100, 130)), "late": [7, 8, 9, 11, 12]}
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    other = eng.add_request("other", prompts["other"], params)
+    long = eng.add_request("long", prompts["long"], params)
+    for _ in range(3):
+        eng.step()
+        clock[0] += 1.0
+    assert long.in_prompt and long.num_computed == 3 + 7 + 7 and long.seat == 1  # 17 of its 30 prompt tokens
+    assert eng.abort("long").finish_reason == "abort"
+    assert eng.scheduler.seats.num_free == 1 and long.status is Status.FINISHED
+    late = eng.add_request("late", prompts["late"], params)
+    eng.step()
+    assert late.seat == 1 and late.status is Status.RUNNING
+    while eng.has_work():
+        eng.step()
+    for req in (other, late):
+        assert req.output == generate_alone(tiny_llama, prompts[req.rid], 10), req.rid
+
+
+@pytest.fixture(scope="module")
+def long_context_llama():
+    """tiny-llama with room for prompts of a few MLP row blocks (engine.model.ROW_BLOCK tokens each)."""
+    tiny = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny-llama.yaml")
+    cfg = {**OmegaConf.to_container(tiny.config), "max_position_embeddings": 4096}
+    return random_model(cfg, seed=1)
+
+
+@pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 3},
+                                    {"name": "chunked", "max_seats": 3, "token_budget": 1500}],
+                         ids=["continuous", "chunked"])
+def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, policy):
+    """Prompts of 1,100 and 2,100 tokens (1 and 2 whole MLP blocks plus a tail) and a short one, staggered."""
+    assert ROW_BLOCK < 1100 < 2 * ROW_BLOCK < 2100 < 3 * ROW_BLOCK
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1100, 2100, 20)]
+    lens = [6, 6, 12]
+    out = run_scenario(long_context_llama, policy, prompts, lens, {0: [0], 1: [1, 2]}, seat_tokens=2200)
+    for i in range(3):
+        assert out[str(i)] == generate_alone(long_context_llama, prompts[i], lens[i]), f"{policy['name']}: {i}"
 
 
 class WrongPositionsRunner(ModelRunner):

@@ -7,8 +7,9 @@ from engine.kv_cache import CatCache, SlotCache
 
 def test_slot_cache_size_is_exact_and_fixed(tiny_llama):
     eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 3}, seat_tokens=96)
-    net = eng.runner.net
-    expected = 3 * 96 * net.kv_bytes_per_token
+    # tiny-llama: K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes (fp32) = 512 bytes per token
+    assert eng.runner.net.kv_bytes_per_token == 512
+    expected = 3 * 96 * 512  # seats x seat_tokens x bytes per token = 147,456 bytes
     assert eng.runner.cache.nbytes == expected
     ptrs = [t.data_ptr() for t in eng.runner.cache.k]
     eng.generate([[5] * 10, [6] * 30], SamplingParams(max_new_tokens=40, ignore_eos=True))

@@ -1,5 +1,6 @@
 """The load generator against a stub OpenAI server on loopback: it is never the bottleneck, and it reports
-short responses and timeouts as errors instead of waiting forever."""
+short responses and timeouts as errors instead of waiting forever; the soak counts what a run loses, against the
+stub (each kind of loss made on purpose) and against the real server."""
 import asyncio
 import json
 import threading
@@ -10,24 +11,40 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from pipeline.loadgen import closed_loop, open_loop
+from fastapi.responses import JSONResponse
+
+from pipeline.loadgen import closed_loop, main, open_loop, soak
 from pipeline.metrics import summarize
-from tests.test_server import free_port
+from tests.test_server import BACKENDS, Server, chat_model, free_port, wait_for  # noqa: F401 (a fixture)
 
 
-def stub_app(chunks_per_request: int, short_by: int = 0, hang: bool = False) -> FastAPI:
+def stub_app(chunks_per_request: int = 8, short_by: int = 0, hang: bool = False, every: int = 0) -> FastAPI:
+    """every: if > 0, the every-th request fails in turn: 429, an error event, a stream cut before [DONE], a hang."""
     app = FastAPI()
+    count = [0]
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "rss_mb": 100.0 + count[0]}
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
+        count[0] += 1
+        fault = (count[0] // every) % 4 if every and count[0] % every == 0 else None
+        if fault == 0:
+            return JSONResponse({"error": {"message": "busy"}}, status_code=429)
+
         async def gen():
-            if hang:
+            if hang or fault == 3:
                 await asyncio.sleep(3600)
             n = body["max_tokens"] - short_by
             for i in range(n):
                 yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}}]}) + "\n\n"
+            if fault == 1:
+                yield "data: " + json.dumps({"error": {"message": "boom"}}) + "\n\n"
             yield "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}) + "\n\n"
-            yield "data: [DONE]\n\n"
+            if fault != 2:
+                yield "data: [DONE]\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     return app
@@ -41,8 +58,7 @@ def stub():
         port = free_port()
         s = uvicorn.Server(uvicorn.Config(stub_app(**kw), host="127.0.0.1", port=port, log_level="error"))
         threading.Thread(target=s.run, daemon=True).start()
-        while not s.started:
-            time.sleep(0.01)
+        wait_for(lambda: s.started, 30, "the stub server did not start within 30 s")
         servers.append(s)
         return f"http://127.0.0.1:{port}/v1"
     yield start
@@ -68,3 +84,25 @@ def test_short_responses_and_timeouts_are_errors(stub):
     assert time.perf_counter() - t < 5 and all("timeout" in r["error"] for r in hung)
     s = summarize(__import__("pandas").DataFrame([{**r, "is_long": False} for r in hung]))
     assert s["complete"] == 0 and s["requests"] == 2
+
+
+def test_soak_counts_every_kind_of_loss(stub):
+    """Every 2nd request fails, the kinds in turn: 429, error event, cut stream (lost), hang (past 0.5 s)."""
+    url = stub(every=2)
+    r = asyncio.run(soak(url, "stub", concurrency=4, duration_s=2.0, max_tokens=4, timeout_s=0.5, warmup=1))
+    out = r["outcomes"]
+    assert r["requests"] == sum(out.values()) and out["ok"] >= r["requests"] // 2 - 4
+    for kind in ("HTTP 429", "error event", "lost", "hung"):
+        assert out.get(kind, 0) >= 1, out
+    assert r["lost"] == out["lost"] and r["hung"] == out["hung"]
+    assert r["rss_mb_start"] > 100 and r["rss_mb_end"] > r["rss_mb_start"]  # the stub's rss counts its requests
+    assert r["completed_tokens"] == 4 * out["ok"]
+
+
+def test_soak_against_the_real_server_loses_nothing(chat_model, capsys):
+    with Server(*chat_model, BACKENDS["engine"]) as s:
+        r = main(["--url", f"{s.url}/v1", "--model", "tiny-chat", "--concurrency", "4", "--duration", "2",
+                  "--max-tokens", "8", "--timeout", "30"])
+        assert r["outcomes"] == {"ok": r["requests"]} and r["requests"] >= 4 and r["lost"] == r["hung"] == 0
+        assert r["rss_mb_start"] > 10 and r["rss_mb_end"] > 10
+        assert json.loads(capsys.readouterr().out) == r

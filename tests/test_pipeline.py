@@ -1,7 +1,9 @@
-"""The whole pipeline on a tiny model in a temporary copy of the repository: dvc repro, a no-op second
-repro, and a DVC experiment whose metrics diff shows the changed figures."""
+"""The whole pipeline on a tiny model in a temporary copy of the repository: dvc repro with sane figures, a no-op
+second repro, the machine as a dependency of every measured stage, and a DVC experiment whose metrics diff shows
+the changed figures."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,8 +15,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this long for nothing
 REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
-           "hardware.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
+           "hardware.json", "machine.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
            "plots/prefill_stall.png"]
+MEASURED = ["probe_hardware", "check_equivalence", "engine_speed", "bench_engine@main", "bench_engine@all_policies",
+            "bench_cache", "bench_server"]  # stages that measure: each depends on reports/machine.json
+
+
+def ran(out: str) -> set[str]:
+    """The stages a `dvc repro` ran, from its output."""
+    return set(re.findall(r"Running stage '([^']+)'", out))
 
 
 def sh(cmd: str, cwd: Path, env: dict) -> str:
@@ -44,11 +53,23 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     for name in REPORTS:
         assert (repo / "reports" / name).exists(), name
     metrics = json.loads((repo / "reports" / "metrics.json").read_text())
-    assert metrics["equivalence.continuous"] == 1.0 and "all_policies.continuous.throughput_tps" in metrics
-    assert "up to date" in sh("dvc repro", repo, env)
+    equal = {k: v for k, v in metrics.items() if k.startswith("equivalence.")}
+    assert len(equal) == 7 and set(equal.values()) == {1.0}, equal  # every policy 6/6 token-equal
+    tput = {k: v for k, v in metrics.items() if k.endswith(".throughput_tps")}
+    assert tput and min(tput.values()) > 0, tput
+    assert metrics["all_policies.continuous.throughput_tps"] > metrics["all_policies.static.throughput_tps"]
+    assert metrics["all_policies.continuous.ttft_p99_s"] < metrics["all_policies.static.ttft_p99_s"]
+    machine = json.loads((repo / "reports" / "machine.json").read_text())
+    assert machine["label"] in (repo / "reports" / "REPORT.md").read_text()
+    assert machine["label"] in (repo / "reports" / "HARDWARE.md").read_text()
+    assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # a second repro on the same machine: a no-op
+    (repo / "reports" / "machine.json").write_text(json.dumps({**machine, "id": "0", "cpu": "another CPU"}))
+    status = sh("dvc status", repo, env)  # another machine's fingerprint: every measured stage is out of date
+    assert all(f"{stage}:" in status for stage in MEASURED), status
+    assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # this machine again: nothing else reruns
     sh("git add -A && git commit -qm results", repo, env)
     sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S policy.max_seats=2", repo, env)
     diff = sh("dvc metrics diff", repo, env)
     assert "main.continuous.ttft_p99_s" in diff
-    assert "server.continuous.c64.throughput_tps" in metrics
+    assert "server.engine-continuous.c64.throughput_tps" in metrics
     print(f"dvc repro on the tiny model: {first:.0f} s")  # a figure for the notes, not a timed assertion

@@ -1,8 +1,12 @@
-"""Batched sampling: seeded requests reproduce whatever else is in the batch; top-k 1 and tiny top-p are greedy."""
+"""Batched sampling: seeded requests reproduce whatever else is in the batch; top-k 1 and tiny top-p are greedy;
+top-k/top-p and penalties against hand computations; logprobs; every tensor on the logits' device."""
+import math
+
+import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.sampler import Sampler, first_argmax
+from engine.sampler import Sampler, ServingParams, first_argmax, token_logprobs
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
@@ -41,3 +45,52 @@ def test_seeded_request_is_the_same_alone_or_in_a_batch(tiny_llama):
     greedy = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 4}, 64).generate(
         [[5, 6, 7]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     assert alone != greedy  # sampling really sampled
+
+
+def test_top_k_and_top_p_keep_the_hand_computed_tokens():
+    """p = [0.4, 0.3, 0.15, 0.1, 0.05]. top_k=2 keeps tokens 0 and 1, renormalised to 4/7 and 3/7. top_p=0.6
+    keeps a token while the mass before it is < 0.6: token 0 (0), token 1 (0.4); token 2 (0.7) is out: again
+    4/7 and 3/7. top_p=0.8 keeps 0, 1, 2 (mass before 2 = 0.7): 0.4/0.85, 0.3/0.85, 0.15/0.85."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
+    s = Sampler(seed=0)
+    n = 3000
+    for params, want in [(SamplingParams(temperature=1.0, top_k=2), [4 / 7, 3 / 7, 0, 0, 0]),
+                         (SamplingParams(temperature=1.0, top_p=0.6), [4 / 7, 3 / 7, 0, 0, 0]),
+                         (SamplingParams(temperature=1.0, top_p=0.8), [0.4 / 0.85, 0.3 / 0.85, 0.15 / 0.85, 0, 0])]:
+        picks = [s(logits.clone(), [f"{params}-{i}"], [params])[0] for i in range(n)]
+        freq = [picks.count(t) / n for t in range(5)]
+        for f, w in zip(freq, want):
+            assert (f == 0.0) if w == 0 else abs(f - w) < 0.035, (params, freq, want)
+
+
+def test_penalties_follow_hf_and_openai():
+    """repetition 2: a seen positive logit halves, a seen negative one doubles; frequency 0.5 and presence 1.0
+    subtract 0.5 per output occurrence and 1.0 once (output tokens only)."""
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    p = ServingParams(repetition_penalty=2.0)
+    out = Sampler._penalize(logits, [p], [([0, 1], [])])
+    assert out.tolist() == [[1.0, -4.0, 1.0, 0.5, 3.0]]
+    p = ServingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    out = Sampler._penalize(logits, [p], [([4], [2, 2, 3])])
+    assert out.tolist() == [[2.0, -2.0, 1.0 - 1.0 - 1.0, 0.5 - 0.5 - 1.0, 3.0]]
+    # greedy would pick token 4 (logit 3); a repetition penalty of 2 on it (seen in the prompt) makes it 1.5 < 2.0
+    s = Sampler(seed=0)
+    assert s(logits.clone(), ["g"], [ServingParams()], {}) == [4]
+    assert s(logits.clone(), ["g"], [ServingParams(repetition_penalty=2.0)], {"g": ([4], [])}) == [0]
+
+
+def test_logprobs_are_the_raw_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    got = token_logprobs(logits.log_softmax(-1), [1, 2], [2, 0])
+    assert abs(got[0][0] - math.log(0.3)) < 1e-6 and [t for t, _ in got[0][1]] == [0, 1]
+    assert abs(got[0][1][0][1] - math.log(0.5)) < 1e-6 and got[1][1] == () and abs(got[1][0] - math.log(0.8)) < 1e-6
+
+
+def test_every_tensor_lives_on_the_logits_device():
+    """On the meta device a CPU tensor made by mistake fails with a device mismatch; a device-clean path runs to
+    its first read-back of values, which meta cannot give."""
+    logits = torch.empty(3, 50, device="meta")
+    params = [SamplingParams(), ServingParams(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3,
+                                              frequency_penalty=0.2, ignore_eos=True), SamplingParams(temperature=1.0)]
+    with pytest.raises(NotImplementedError, match="meta"):
+        Sampler(seed=0, eos_ids=[2])(logits, ["a", "b", "c"], params, {"b": ([1, 2], [3])})

@@ -49,8 +49,9 @@ def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
     assert [c.zombie for c in running.chunks] == [True, False]  # "short" finished: computed, discarded
     assert s.requests["short"].output == [7]
     step(s, 3.0)                                # "long" ends: the whole batch leaves
-    assert "late" in step(s, 4.0).num_scheduled_tokens or s.waiting  # next batch needs 2 again
-    assert s.requests["late"].status is Status.WAITING
+    assert s.running == [] and s.seats.num_free == 2
+    assert step(s, 4.0).chunks == ()             # "late" alone: the next batch needs 2 again
+    assert list(s.waiting) == [s.requests["late"]] and s.requests["late"].status is Status.WAITING
 
 
 def test_dynamic_launches_at_the_deadline_with_what_is_there():

@@ -13,7 +13,7 @@ from pipeline.metrics import summarize
 from pipeline.replay import replay
 from pipeline.workloads import build, predicted_static_efficiency
 
-COST = CostModel(fixed=0.02, per_prompt_token=0.001, per_decode_row=0.002, per_kv_token=0.0)
+COST = CostModel(fixed=0.02, coef={"num_prompt_tokens": 0.001, "num_decode_rows": 0.002})
 
 
 def sim_engine(policy):
@@ -47,15 +47,47 @@ def test_static_efficiency_in_simulation_matches_prediction():
     assert summarize(req, steps)["slot_efficiency"] == pytest.approx(predicted_static_efficiency(wl["output_tokens"], 8))
 
 
-def test_fit_recovers_known_costs():
+def test_fit_recovers_known_costs_and_reports_each_kind():
     rng = np.random.default_rng(0)
-    steps = pd.DataFrame({"num_prompt_tokens": rng.integers(0, 500, 400), "num_decode_rows": rng.integers(0, 64, 400),
-                          "kv_tokens": rng.integers(0, 20000, 400)})
-    true = CostModel(0.03, 0.0008, 0.0015, 2e-7)
-    steps["duration"] = [true.step_time(*r) * rng.normal(1, 0.01) for r in steps.itertuples(index=False)]
+    n = 600
+    kind = rng.choice(["prefill", "decode", "mixed"], n)
+    steps = pd.DataFrame({"kind": kind,
+                          "num_prompt_tokens": np.where(kind == "decode", 0, rng.integers(1, 500, n)),
+                          "num_decode_rows": np.where(kind == "prefill", 0, rng.integers(1, 64, n)),
+                          "num_sampled_rows": rng.integers(1, 64, n), "decode_attention": rng.integers(0, 20000, n),
+                          "prompt_attention": rng.integers(0, 200000, n), "is_mixed": (kind == "mixed").astype(int)})
+    true = CostModel(0.03, {"num_prompt_tokens": 8e-4, "num_decode_rows": 1.5e-3, "num_sampled_rows": 5e-4,
+                            "decode_attention": 2e-7, "prompt_attention": 1e-8, "is_mixed": 0.004})
+    steps["duration"] = [true.predict(r) * rng.normal(1, 0.01) for r in steps.to_dict("records")]
     model, stats = fit(steps)
-    assert model.fixed == pytest.approx(0.03, rel=0.05) and model.per_prompt_token == pytest.approx(0.0008, rel=0.05)
-    assert stats["median_rel_error"] < 0.02
+    assert model.fixed == pytest.approx(0.03, rel=0.05)
+    for f, c in true.coef.items():
+        assert model.coef[f] == pytest.approx(c, rel=0.1), f
+    assert stats["median_rel_error"] < 0.02 and set(stats["per_kind"]) == {"prefill", "decode", "mixed"}
+    assert all(v["steps"] > 100 for v in stats["per_kind"].values())
+
+
+def test_fit_never_goes_negative():
+    """A feature that does not matter (or anti-correlates through noise) gets 0, not a negative cost."""
+    rng = np.random.default_rng(1)
+    steps = pd.DataFrame({f: rng.integers(0, 100, 200) for f in ("num_prompt_tokens", "num_decode_rows",
+                                                                "num_sampled_rows", "decode_attention",
+                                                                "prompt_attention", "is_mixed")})
+    steps["kind"] = "decode"
+    steps["duration"] = 0.05 - 1e-4 * steps["decode_attention"] + 1e-3 * steps["num_decode_rows"] + 0.011
+    model, _ = fit(steps)
+    assert min(model.coef.values()) >= 0 and model.fixed >= 0
+
+
+def test_one_definition_of_step_features():
+    """The engine's per-step records carry exactly the features the simulator's clock charges."""
+    eng, clock = sim_engine({"name": "chunked", "max_seats": 4, "token_budget": 8})
+    for i in range(3):
+        eng.add_request(str(i), [1] * (5 + 7 * i), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert clock() == pytest.approx(sum(COST.predict(s) for s in eng.steps))
+    assert {s["kind"] for s in eng.steps} >= {"prefill", "mixed", "decode"}
 
 
 def test_dynamic_deadline_is_reached_exactly_on_a_virtual_clock():

@@ -1,0 +1,69 @@
+"""Timed runs of the engine and of Hugging Face `generate` on the same requests, in one process.
+
+Each case: B prompts arriving at once, exactly `new_tokens` new tokens each (EOS ignored / suppressed).
+Hugging Face runs a left-padded batch; the engine runs continuous batching with B seats (its decode steps compiled
+when `compile` is set). Best of `repeats`; prefill timed apart (HF: a 1-token generate; engine: its first,
+all-prompt step).
+"""
+import time
+
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.hf import generate_padded
+from pipeline.env import PeakRSS, synchronize
+from pipeline.prompts import prompts_for
+
+
+def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    """Seconds for one left-padded batch generate of exactly new_tokens tokens per row."""
+    synchronize(model.device)
+    t = time.perf_counter()
+    generate_padded(model, prompts, new_tokens, pad_id)
+    synchronize(model.device)
+    return time.perf_counter() - t
+
+
+def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False) -> dict:
+    """One engine run of B requests arriving together; total and first-step (prefill) seconds, cache size."""
+    seat_tokens = max(map(len, prompts)) + new_tokens
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": len(prompts)}, seat_tokens, eos, compile=compile)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    device = eng.runner.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with PeakRSS() as rss:
+        synchronize(device)
+        t = time.perf_counter()
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        while eng.has_work():
+            eng.step()
+        synchronize(device)
+        total = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated(device) / 1e6 if device.type == "cuda" else rss.peak_mb
+    return {"total": total, "prefill": eng.steps[0]["duration"], "peak_mb": peak, "kv": eng.runner.cache.nbytes,
+            "kv_per_token": eng.runner.net.kv_bytes_per_token, "weights": eng.runner.net.nbytes,
+            "seat_tokens": seat_tokens}
+
+
+def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compile: bool = False) -> dict:
+    B, n = int(case["batch"]), int(case["new_tokens"])
+    prompts = prompts_for(case["prompt"], B, tokenizer, model.config.vocab_size)
+    reps = int(case.get("repeats", repeats))
+    eng = [engine_run(model, prompts, n, eos, compile) for _ in range(reps)]
+    best = min(eng, key=lambda r: r["total"])
+    hf_total = min(hf_generate(model, prompts, n, pad_id) for _ in range(reps))
+    hf_prefill = min(hf_generate(model, prompts, 1, pad_id) for _ in range(reps))
+    tokens = B * n
+    row = {"batch": B, "prompt_tokens": sum(map(len, prompts)) // B, "new_tokens": n,
+           "engine_tps": tokens / best["total"], "hf_tps": tokens / hf_total,
+           "engine_prefill_s": best["prefill"], "hf_prefill_s": hf_prefill,
+           "engine_decode_tps": B * (n - 1) / (best["total"] - best["prefill"]),
+           "hf_decode_tps": B * (n - 1) / (hf_total - hf_prefill),
+           "engine_peak_mb": max(r["peak_mb"] for r in eng),  # host RSS of the process on a CPU, device on a GPU
+           "engine_weight_bytes": best["weights"], "kv_cache_bytes": best["kv"],
+           "kv_bytes_expected": B * best["seat_tokens"] * best["kv_per_token"], "compile": compile}
+    row["ratio"] = row["engine_tps"] / row["hf_tps"]
+    row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
+    return row

@@ -1,0 +1,137 @@
+"""Which model configs the engine runs: each supported variation matches generate token for token; every config
+field the flat forward pass does not compute is refused with a ValueError naming it."""
+import re
+
+import pytest
+import torch
+
+from engine.hf import generate_alone
+from engine.loader import random_model
+from engine.model import FlatModel
+from engine.runner import ModelRunner
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from pipeline.equivalence import run_scenario
+
+BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 10000.0,
+        "initializer_range": 0.1, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+PROMPT_LENS = (9, 23, 40)  # tokens; arrivals at steps 0, 0 and 3
+OUTPUT_LENS = (12, 20, 8)
+
+
+def tiny(model_type: str, **fields):
+    """A random tiny model of BASE's shape with `fields` overriding its config; its norm weights (ones in Hugging
+    Face's initialisation) made random so that they count."""
+    model = random_model({"model_type": model_type, **BASE, **fields}, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model
+
+
+def assert_matches_generate(model, policy: dict):
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    out = run_scenario(model, {**policy, "max_seats": 3}, prompts, OUTPUT_LENS, {0: [0, 1], 3: [2]}, seat_tokens=64)
+    for i, (p, n) in enumerate(zip(prompts, OUTPUT_LENS)):
+        assert out[str(i)] == generate_alone(model, p, n), f"{policy['name']}: request {i}"
+
+
+def prefill_logits_error(model, prompt: list[int]) -> float:
+    """Largest |engine - Hugging Face| logit over every position of one whole prompt (the engine's is ~2e-6 here)."""
+    runner = ModelRunner(model, num_seats=1, seat_tokens=64)
+    chunk = ScheduledChunk(rid="r", seat=0, start=0, tokens=tuple(prompt), sample=True, prompt=True)
+    ids, plan, _ = runner.plan(SchedulerOutput(chunks=(chunk,)))
+    got = runner.net.forward(ids, plan, runner.cache, torch.arange(len(prompt)))
+    with torch.inference_mode():
+        ref = model(torch.tensor([prompt])).logits[0].float()
+    return (got - ref).abs().max().item()
+
+
+SUPPORTED = {
+    "llama-biases-everywhere": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-tied-embeddings": ("llama", {"tie_word_embeddings": True}),
+    "llama-explicit-head-dim": ("llama", {"head_dim": 32}),
+    "llama-gelu": ("llama", {"hidden_act": "gelu"}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": LLAMA3}),
+    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "llama-rope-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}}),
+    "qwen2-qkv-biases": ("qwen2", {}),
+    "qwen2-window-on-every-layer": ("qwen2", {"use_sliding_window": True, "max_window_layers": 0,
+                                              "sliding_window": 6}),
+    "mistral-no-window": ("mistral", {"sliding_window": None}),
+    "mistral-window-longer-than-any-sequence": ("mistral", {}),  # Mistral's default, 4096
+    "mistral-window-shorter-than-prompts": ("mistral", {"sliding_window": 6}),
+}
+
+
+CHUNKED = {"name": "chunked", "token_budget": 16}  # prompt chunks from later positions, steps of both kinds
+
+
+@pytest.mark.parametrize("variant", SUPPORTED)
+def test_supported_variation_matches_generate(variant):
+    model_type, fields = SUPPORTED[variant]
+    model = tiny(model_type, **fields)
+    if "bias" in variant:
+        assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith("bias"))
+    assert_matches_generate(model, CHUNKED)
+    # greedy tokens of a tiny model can hide an error of 1e-3 (GELU's tanh form for its exact one): logits too
+    assert prefill_logits_error(model, list(range(3, 43))) < 1e-4
+
+
+@pytest.mark.parametrize("policy", [{"name": "continuous"}, {"name": "dynamic", "max_batch": 3}],
+                         ids=["continuous", "dynamic"])
+@pytest.mark.parametrize("model_type, fields", [SUPPORTED["mistral-window-shorter-than-prompts"],
+                                                SUPPORTED["qwen2-window-on-every-layer"]], ids=["mistral", "qwen2"])
+def test_window_with_whole_prompts_matches_generate(model_type, fields, policy):
+    """continuous: whole prompts from position 0, windowed; dynamic: one batch's prompts, then zombie rows."""
+    assert_matches_generate(tiny(model_type, **fields), policy)
+
+
+def test_window_shorter_than_the_prompt_changes_the_tokens():
+    """The window case above tests something: with the same weights and no window, generate's tokens differ."""
+    windowed = tiny("mistral", sliding_window=6)
+    full = tiny("mistral", sliding_window=None)
+    prompt = list(range(3, 43))
+    assert generate_alone(windowed, prompt, 8) != generate_alone(full, prompt, 8)
+    assert FlatModel(windowed).window == 6 and FlatModel(full).window is None
+
+
+REFUSED = {
+    "hidden_act": ("llama", {"hidden_act": "gelu_pytorch_tanh"}),
+    "rope_type": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "partial_rotary_factor": ("llama", {"partial_rotary_factor": 0.5}),
+    "final_logit_softcapping": ("llama", {"final_logit_softcapping": 30.0}),
+    "attn_logit_softcapping": ("mistral", {"attn_logit_softcapping": 50.0}),
+    "use_qk_norm": ("llama", {"use_qk_norm": True}),
+    "layer_types": ("qwen2", {"use_sliding_window": True, "max_window_layers": 1, "sliding_window": 6}),
+    "model_type": ("qwen3", {}),
+}
+
+
+@pytest.mark.parametrize("field", REFUSED)
+def test_unsupported_config_field_is_refused_by_name(field):
+    model_type, fields = REFUSED[field]
+    model = tiny(model_type, **fields)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        FlatModel(model)
+
+
+def test_unknown_layer_parameter_is_refused_by_name():
+    """A weight the forward pass would skip (here a q/k norm added to a Llama layer) is refused, not ignored."""
+    model = tiny("llama")
+    model.model.layers[1].self_attn.q_norm = torch.nn.LayerNorm(16)
+    with pytest.raises(ValueError, match=re.escape("1.self_attn.q_norm.weight")):
+        FlatModel(model)
+
+
+def test_output_projection_bias_is_refused():
+    model = tiny("llama")
+    model.lm_head.bias = torch.nn.Parameter(torch.ones(512))
+    with pytest.raises(ValueError, match=re.escape("lm_head.bias")):
+        FlatModel(model)

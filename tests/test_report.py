@@ -1,0 +1,52 @@
+"""The report never mixes machines: a results file measured elsewhere stops it with an error naming both machines,
+unless the config labels that file as another machine's on purpose."""
+import json
+
+import pytest
+
+from pipeline import report
+from pipeline.config import compose_config
+from pipeline.env import environment
+
+
+@pytest.fixture()
+def repo(tmp_path, monkeypatch):
+    """An empty repository layout with this machine's fingerprint, the report's paths pointing into it."""
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "REPORTS", tmp_path / "reports")
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "data" / "results")
+    (tmp_path / "reports").mkdir()
+    here = environment(2)
+    (tmp_path / "reports" / "machine.json").write_text(json.dumps(here))
+    other = {**here, "id": "0123456789ab", "label": "Intel(R) Xeon(R) Platinum (AVX-512), 2 threads, torch 2.13.0"}
+    return tmp_path, here, other
+
+
+def equivalence(machine: dict) -> dict:
+    return {"model": "m", "dtype": "float32", "matches": {"continuous": 6}, "requests": 6, "machine": machine}
+
+
+def test_report_refuses_figures_of_another_machine(repo):
+    root, here, other = repo
+    (root / "reports" / "equivalence.json").write_text(json.dumps(equivalence(other)))
+    with pytest.raises(report.MixedMachines) as err:
+        report.main(compose_config([]))
+    msg = str(err.value)
+    assert "reports/equivalence.json" in msg and other["label"] in msg and here["label"] in msg
+    assert not (root / "reports" / "REPORT.md").exists()
+
+
+def test_report_labels_another_machines_file_when_told(repo):
+    root, here, other = repo
+    (root / "reports" / "equivalence.json").write_text(json.dumps(equivalence(other)))
+    report.main(compose_config(["report.other_machine=[reports/equivalence.json]"]))
+    text = (root / "reports" / "REPORT.md").read_text()
+    assert here["label"] in text and f"Measured on another machine: {other['label']}" in text
+
+
+def test_report_of_one_machine_names_it(repo):
+    root, here, _ = repo
+    (root / "reports" / "equivalence.json").write_text(json.dumps(equivalence(here)))
+    report.main(compose_config([]))
+    text = (root / "reports" / "REPORT.md").read_text()
+    assert here["label"] in text and "another machine" not in text and "| continuous | 6/6 |" in text
