@@ -67,12 +67,11 @@ class LLMEngine:
             return []
         reqs = self.scheduler.requests
         params = {c.rid: reqs[c.rid].params for c in plan.chunks if c.sample}
-        seen = {rid: (reqs[rid].prompt, reqs[rid].output) for rid, p in params.items() if getattr(p, "penalized", 0)}
-        # penalties and logprobs exist only for ServingParams, which the simulator's runner is never given
-        sampled = self.runner.run(plan, params, seen) if seen else self.runner.run(plan, params)
+        seen = {rid: (reqs[rid].prompt, reqs[rid].output) for rid, p in params.items() if p.penalized}
+        sampled = self.runner.run(plan, params, seen)
         end = self.now()
         events = self.scheduler.update(plan, sampled, end)
-        if any(getattr(p, "logprobs", None) is not None for p in params.values()):
+        if any(p.logprobs is not None for p in params.values()):
             lps = self.runner.logprobs
             events = [replace(e, logprob=lps[e.rid][0], top_logprobs=lps[e.rid][1]) if e.rid in lps else e
                       for e in events]

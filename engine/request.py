@@ -20,6 +20,14 @@ class SamplingParams:
     seed: int | None = None    # per-request RNG seed; None draws from the engine's seeded RNG
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0    # subtracted once from each token already in the output, [-2, 2]
+    frequency_penalty: float = 0.0   # subtracted per occurrence in the output, [-2, 2]
+    repetition_penalty: float = 1.0  # as HF: seen tokens (prompt + output): positive logit / it, negative * it
+    logprobs: int | None = None      # None: none; k: the chosen token's logprob and the k most likely, [0, 20]
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def validate(self, vocab_size: int) -> None:
         def need(ok: bool, name: str, msg: str):
@@ -38,6 +46,14 @@ class SamplingParams:
              f"must be an integer in [0, 2**63), got {self.seed!r}")
         need(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
              f"must be token ids in [0, {vocab_size})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
+        need(isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 2.0,
+             "repetition_penalty",
+             f"must be in (0, 2], got {self.repetition_penalty!r}")
+        need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
+             f"must be an integer in [0, 20], got {self.logprobs!r}")
 
 
 def stop_reason(params: SamplingParams, eos_ids, token: int, num_output: int) -> str | None:

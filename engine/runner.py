@@ -105,7 +105,7 @@ class ModelRunner:
         ids, attn, rows = self.plan(out)
         logits = self.net.forward(ids, attn, self.cache, rows, self.compile)
         rids = [c.rid for c in out.chunks if c.sample]
-        asked = [i for i, r in enumerate(rids) if getattr(params[r], "logprobs", None) is not None]
+        asked = [i for i, r in enumerate(rids) if params[r].logprobs is not None]
         raw = logits[asked].float().log_softmax(dim=-1) if asked else None  # before the sampler edits logits
         tokens = self.sampler(logits, rids, [params[r] for r in rids], seen)
         self.logprobs = dict(zip([rids[i] for i in asked], token_logprobs(

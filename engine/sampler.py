@@ -7,34 +7,7 @@ Hugging Face generate and ignore_eos does in llama.cpp's server).
 Every tensor made here lives on the logits' device, and so do the per-request generators (a CUDA run draws on
 the GPU), so no step copies between devices before its one read-back of the chosen ids.
 """
-from dataclasses import dataclass
-
 import torch
-
-from engine.request import RequestError, SamplingParams
-
-
-@dataclass(frozen=True)
-class ServingParams(SamplingParams):
-    """SamplingParams plus the OpenAI-API extras the batched sampler applies, row by row."""
-    presence_penalty: float = 0.0    # subtracted once from each token already in the output, [-2, 2]
-    frequency_penalty: float = 0.0   # subtracted per occurrence in the output, [-2, 2]
-    repetition_penalty: float = 1.0  # as HF: seen tokens (prompt + output): positive logit / it, negative * it
-    logprobs: int | None = None      # None: none; k: the chosen token's logprob and the k most likely, [0, 20]
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
-    def validate(self, vocab_size: int) -> None:
-        super().validate(vocab_size)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise RequestError(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise RequestError("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise RequestError("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
 
 
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -83,7 +56,7 @@ class Sampler:
         if no_eos and self.eos_ids:
             rows = torch.tensor(no_eos, device=dev)[:, None]
             logits[rows, torch.tensor(self.eos_ids, device=dev)[None, :]] = float("-inf")
-        hurt = [i for i, p in enumerate(params) if getattr(p, "penalized", False)]
+        hurt = [i for i, p in enumerate(params) if p.penalized]
         if hurt:
             idx = torch.tensor(hurt, device=dev)
             logits[idx] = self._penalize(logits[idx], [params[i] for i in hurt], [seen[rids[i]] for i in hurt])

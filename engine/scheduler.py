@@ -72,6 +72,12 @@ class SchedulerOutput:
         return len(pre) * max(len(c.tokens) for c in pre) * max(c.start + len(c.tokens) for c in pre)
 
     @property
+    def multi_row(self) -> int:
+        """1 when more than one row goes through the layers (matrix-matrix products), 0 for a single row (the
+        matrix-vector path, a different kernel with its own cost)."""
+        return int(self.total_tokens > 1)
+
+    @property
     def is_mixed(self) -> int:
         """1 when prompt tokens and decodes share the pass (the attention splits in two parts), else 0."""
         return int(self.kind == "mixed")
@@ -81,7 +87,7 @@ class SchedulerOutput:
         simulator's clock."""
         return {"num_prompt_tokens": self.num_prompt_tokens, "num_decode_rows": self.num_decode_rows,
                 "num_sampled_rows": self.num_sampled_rows, "decode_attention": self.decode_attention,
-                "prompt_attention": self.prompt_attention, "is_mixed": self.is_mixed}
+                "prompt_attention": self.prompt_attention, "is_mixed": self.is_mixed, "multi_row": self.multi_row}
 
     @property
     def kind(self) -> str:

@@ -3,17 +3,20 @@ model instead of running the model. One scheduler, two clocks.
 
 Cost model: step seconds = fixed + sum over FEATURES of coefficient x feature, the features being what the step
 computes (SchedulerOutput.features: rows through the layers, rows through the LM head and sampler, query-key pairs
-of each attention part as computed, and whether the pass mixes prompts and decodes). Every coefficient is >= 0.
+of each attention part as computed, whether the pass mixes prompts and decodes, and whether it carries more than
+one row: on a CPU one row takes the matrix-vector kernels, more rows the matrix-matrix ones, a jump in step time
+that no per-row cost describes). Every coefficient is >= 0.
 """
 from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerOutput
 
 FEATURES = ("num_prompt_tokens", "num_decode_rows", "num_sampled_rows", "decode_attention", "prompt_attention",
-            "is_mixed")
+            "is_mixed", "multi_row")
 UNITS = {"fixed": "s per step", "num_prompt_tokens": "s per prompt token", "num_decode_rows": "s per decode row",
          "num_sampled_rows": "s per sampled row", "decode_attention": "s per decode query-key pair",
-         "prompt_attention": "s per prompt query-key pair", "is_mixed": "s per mixed step"}
+         "prompt_attention": "s per prompt query-key pair", "is_mixed": "s per mixed step",
+         "multi_row": "s per step of more than one row"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class SimRunner:
         self.cost, self.clock, self.vocab_size = cost, clock, vocab_size
         self.sampler = _NoSampler()
 
-    def run(self, out: SchedulerOutput, params: dict) -> dict[str, int]:
+    def run(self, out: SchedulerOutput, params: dict, seen: dict | None = None) -> dict[str, int]:
         self.clock.advance(self.cost.step_time(out))
         return {c.rid: 0 for c in out.chunks if c.sample}  # token 0: lengths come from the workload
 

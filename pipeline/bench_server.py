@@ -20,17 +20,16 @@ import time
 
 import httpx
 import pandas as pd
-import torch
 from omegaconf import OmegaConf
 
 from engine.loader import eos_ids
 from pipeline.config import ROOT, load, load_configured_model
-from pipeline.speed import engine_run, hf_generate
 from pipeline.env import environment
 from pipeline.io import write_json, write_parquet, write_text
 from pipeline.loadgen import closed_loop, open_loop
 from pipeline.metrics import slo_limits, summarize
 from pipeline.prompts import CHAT, chat_ids
+from pipeline.speed import engine_run, hf_generate
 
 OUT = ROOT / "data" / "results" / "server"
 

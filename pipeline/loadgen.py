@@ -1,16 +1,19 @@
 """Load generator for any OpenAI-compatible server: closed loop (c workers) or open loop (saved arrival times),
-and a soak (closed loop for a duration) that reports what a long run loses.
+a soak (closed loop for a duration) that reports what a long run loses, and an overload run (Poisson arrivals at
+a rate for a duration) that reports how fast refusals come and what the completed requests achieve.
 
 Sends at absolute times (never "sleep after send"), streams every response, records one row per request with
 the same fields as an engine replay (arrival, first_token, token_times, num_tokens, complete), so
 pipeline.metrics summarizes both. A request that outlives `timeout_s` is recorded incomplete, not waited on.
 
-Soak from the command line:
+From the command line (a soak; with --rate, Poisson arrivals at that many requests per second instead):
     python -m pipeline.loadgen --url http://127.0.0.1:8000/v1 --model smollm2-135m --concurrency 16 --duration 600
+    python -m pipeline.loadgen --model smollm2-135m --rate 2.5 --duration 60 --max-tokens 32 --timeout 20
 """
 import argparse
 import asyncio
 import json
+import random
 import time
 from collections import Counter
 
@@ -156,18 +159,61 @@ async def soak(base_url: str, model: str, concurrency: int, duration_s: float, p
             "concurrency": concurrency, "rss_mb_start": start.get("rss_mb"), "rss_mb_end": stop.get("rss_mb")}
 
 
+async def poisson(base_url: str, model: str, rate: float, duration_s: float, prompt="Tell me a story.",
+                  max_tokens: int = 32, timeout_s: float = 20.0, seed: int = 0, api_key: str | None = None) -> dict:
+    """Open loop: Poisson arrivals at `rate` requests/s for duration_s seconds, each client waiting timeout_s.
+    Returns outcomes by kind, the slowest answer of each refused kind (s from send to its status), completed
+    requests and their tokens per second (first send to last token), and /health once every answer is in."""
+    gaps = random.Random(seed)
+    arrivals, t = [], 0.0
+    while t < duration_s:
+        arrivals.append(t)
+        t += gaps.expovariate(rate)
+    root = base_url.rstrip("/").removesuffix("/v1")
+    path = "/chat/completions" if isinstance(prompt, str) else "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = body_for(model, prompt, max_tokens, True)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=None,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        t0 = time.perf_counter()
+
+        async def at(when: float) -> dict:
+            await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
+            rec = finish(await one(client, path, body, t0, timeout_s), max_tokens)
+            rec["answered"] = time.perf_counter() - t0 - rec["arrival"]  # s from send to the end of the answer
+            return rec
+
+        recs = await asyncio.gather(*(at(a) for a in arrivals))
+        after = await health(client, root)
+    outcomes = Counter(r["outcome"] for r in recs)
+    done = [r for r in recs if r["complete"]]
+    span = max((r["finish"] for r in done), default=0.0)
+    refused = {k: max(r["answered"] for r in recs if r["outcome"] == k) for k in outcomes if k.startswith("HTTP")}
+    return {"rate": rate, "duration_s": duration_s, "requests": len(recs), "outcomes": dict(outcomes),
+            "slowest_refusal_s": refused, "completed": len(done),
+            "completed_per_s": len(done) / span if span else 0.0,
+            "completed_tokens_per_s": sum(r["num_tokens"] for r in done) / span if span else 0.0,
+            "health_after": after}
+
+
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description="Soak an OpenAI-compatible server: closed loop for a duration.")
+    p = argparse.ArgumentParser(description="Soak an OpenAI-compatible server (closed loop for a duration), or "
+                                            "overload it (--rate: Poisson arrivals for a duration).")
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="base URL, ending in /v1")
     p.add_argument("--model", required=True)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--duration", type=float, required=True, help="seconds of load after the warm-up")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per response (ignore_eos)")
     p.add_argument("--timeout", type=float, default=60.0, help="s after which a request counts as hung")
+    p.add_argument("--rate", type=float, default=None, help="requests/s, Poisson, open loop (instead of a soak)")
     p.add_argument("--api-key", default=None)
     a = p.parse_args(argv)
-    report = asyncio.run(soak(a.url, a.model, a.concurrency, a.duration, max_tokens=a.max_tokens,
-                              timeout_s=a.timeout, api_key=a.api_key))
+    if a.rate:
+        report = asyncio.run(poisson(a.url, a.model, a.rate, a.duration, max_tokens=a.max_tokens,
+                                     timeout_s=a.timeout, api_key=a.api_key))
+    else:
+        report = asyncio.run(soak(a.url, a.model, a.concurrency, a.duration, max_tokens=a.max_tokens,
+                                  timeout_s=a.timeout, api_key=a.api_key))
     print(json.dumps(report, indent=2))
     return report
 

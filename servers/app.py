@@ -18,7 +18,6 @@ OpenAI report them; the Hugging Face generate backends refuse logprobs and penal
 import asyncio
 import json
 import math
-import os
 import time
 import uuid
 
@@ -27,8 +26,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
-from engine import RequestError
-from engine.sampler import ServingParams
+from engine import RequestError, SamplingParams
+from pipeline.env import rss_mb
 from servers.generate_worker import NO_PER_ROW, GenerateWorker
 from servers.metrics import ServerMetrics
 from servers.protocol import ChatRequest, CompletionRequest, error
@@ -79,10 +78,10 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
 
     @app.get("/health")
     async def health():
-        rss_mb = resident_mb()
+        rss = round(rss_mb(), 1)
         if not worker.alive and not worker.draining:
-            return JSONResponse({"status": "down", "error": worker.error, "rss_mb": rss_mb}, status_code=503)
-        state = {"running": worker.num_running, "waiting": worker.queued(), "rss_mb": rss_mb}
+            return JSONResponse({"status": "down", "error": worker.error, "rss_mb": rss}, status_code=503)
+        state = {"running": worker.num_running, "waiting": worker.queued(), "rss_mb": rss}
         if worker.draining:
             return JSONResponse({"status": "draining", **state}, status_code=503)
         return {"status": "ok", **state}
@@ -120,11 +119,11 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
                          headers={"Retry-After": str(retry)})
         return None
 
-    def params_of(body, max_tokens: int) -> ServingParams:
+    def params_of(body, max_tokens: int) -> SamplingParams:
         def given(v, default):
             return default if v is None else v
 
-        return ServingParams(max_new_tokens=max_tokens, temperature=given(body.temperature, 1.0),
+        return SamplingParams(max_new_tokens=max_tokens, temperature=given(body.temperature, 1.0),
                              top_p=given(body.top_p, 1.0), top_k=max(0, given(body.top_k, 0)), seed=body.seed,
                              ignore_eos=bool(body.ignore_eos), presence_penalty=given(body.presence_penalty, 0.0),
                              frequency_penalty=given(body.frequency_penalty, 0.0),
@@ -136,7 +135,7 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
                          code="model_not_found")
         params = params_of(body, max_tokens or default_max_tokens)
         if isinstance(worker, GenerateWorker):
-            asked = [f for f in NO_PER_ROW if getattr(params, f) != getattr(ServingParams, f)]
+            asked = [f for f in NO_PER_ROW if getattr(params, f) != getattr(SamplingParams, f)]
             if asked:
                 return error(400, f"{asked[0]}: not supported by the Hugging Face generate backends (one sampling "
                                   "setting per batch); use server=engine", asked[0])
@@ -318,15 +317,6 @@ class Stream:
             obj = "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
-
-
-def resident_mb() -> float | None:
-    """This process's resident memory in MiB (Linux /proc); None where there is no /proc."""
-    try:
-        with open("/proc/self/statm") as f:
-            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 async def disconnected(request: Request) -> None:

@@ -25,7 +25,7 @@ from engine.request import stop_reason
 from engine.scheduler import StepEvent
 from servers.worker import SHUTDOWN, Worker
 
-NO_PER_ROW = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")  # ServingParams fields
+NO_PER_ROW = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")  # SamplingParams fields
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models of two architectures, the real default model, HF references."""
+"""Shared fixtures: tiny random-weight models of two architectures, the real default model, and the servers over
+a tiny chat model (tests.serving)."""
 from pathlib import Path
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.loader import load_model
+from tests.serving import BACKENDS, Server
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ("tiny-llama", "tiny-qwen2")
@@ -52,3 +54,21 @@ def smollm2_tokenizer_dir():
     if not (ROOT / "data/models/smollm2-135m/tokenizer.json").exists():
         prepare(cfg)
     return ROOT / "data/models/smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def chat_model(smollm2_tokenizer_dir):
+    cfg = model_cfg("tiny-chat")
+    cfg.tokenizer = str(smollm2_tokenizer_dir)
+    return load_model(cfg)
+
+@pytest.fixture(params=list(BACKENDS))
+def any_server(chat_model, request):
+    with Server(*chat_model, BACKENDS[request.param]) as s:
+        yield s
+
+
+@pytest.fixture()
+def server(chat_model):
+    with Server(*chat_model, BACKENDS["engine"]) as s:
+        yield s

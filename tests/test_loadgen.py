@@ -9,13 +9,11 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from fastapi.responses import JSONResponse
-
-from pipeline.loadgen import closed_loop, main, open_loop, soak
+from pipeline.loadgen import closed_loop, main, open_loop, poisson, soak
 from pipeline.metrics import summarize
-from tests.test_server import BACKENDS, Server, chat_model, free_port, wait_for  # noqa: F401 (a fixture)
+from tests.serving import BACKENDS, Server, free_port, wait_for
 
 
 def stub_app(chunks_per_request: int = 8, short_by: int = 0, hang: bool = False, every: int = 0) -> FastAPI:
@@ -106,3 +104,16 @@ def test_soak_against_the_real_server_loses_nothing(chat_model, capsys):
         assert r["outcomes"] == {"ok": r["requests"]} and r["requests"] >= 4 and r["lost"] == r["hung"] == 0
         assert r["rss_mb_start"] > 10 and r["rss_mb_end"] > 10
         assert json.loads(capsys.readouterr().out) == r
+
+
+def test_poisson_overload_reports_refusals_and_completed_rate(stub):
+    """Every 2nd request fails in turn (429, error event, cut stream, hang past 0.5 s): the run counts each kind, times
+    the refusals, and rates only the completed requests."""
+    url = stub(every=2)
+    r = asyncio.run(poisson(url, "stub", rate=40.0, duration_s=1.0, max_tokens=4, timeout_s=0.5))
+    out = r["outcomes"]
+    assert r["requests"] == sum(out.values()) >= 20 and r["completed"] == out["ok"]
+    assert out.get("HTTP 429", 0) >= 1 and out.get("hung", 0) >= 1 and out.get("lost", 0) >= 1
+    assert 0 < r["slowest_refusal_s"]["HTTP 429"] < 0.5
+    assert r["completed_per_s"] > 0 and r["completed_tokens_per_s"] == pytest.approx(4 * r["completed_per_s"])
+    assert r["health_after"]["status"] == "ok"

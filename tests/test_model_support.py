@@ -135,3 +135,19 @@ def test_output_projection_bias_is_refused():
     model.lm_head.bias = torch.nn.Parameter(torch.ones(512))
     with pytest.raises(ValueError, match=re.escape("lm_head.bias")):
         FlatModel(model)
+
+
+def test_a_large_shape_is_made_in_its_dtype_with_its_rotary_frequencies():
+    """A hidden size of 2048 or more takes the path of the 8B shape: allocated empty on the device in the target
+    dtype and filled there (never materialised in fp32); the rotary frequencies the meta device lost are computed
+    again, so the engine and generate still agree."""
+    cfg = {**BASE, "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 1,
+           "rope_parameters": {"rope_theta": 500000.0, **LLAMA3}}
+    model = random_model({"model_type": "llama", **cfg}, seed=0, dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    fresh = type(model.model.rotary_emb)(model.config)
+    assert torch.equal(model.model.rotary_emb.inv_freq, fresh.inv_freq)
+    assert 0.01 < model.model.layers[0].mlp.up_proj.weight.float().std().item() < 0.03
+    prompt = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = run_scenario(model, {"name": "continuous", "max_seats": 1}, [prompt], [6], {0: [0]}, seat_tokens=32)
+    assert out["0"] == generate_alone(model, prompt, 6)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.sampler import Sampler, ServingParams, first_argmax, token_logprobs
+from engine.sampler import Sampler, first_argmax, token_logprobs
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
@@ -67,16 +67,16 @@ def test_penalties_follow_hf_and_openai():
     """repetition 2: a seen positive logit halves, a seen negative one doubles; frequency 0.5 and presence 1.0
     subtract 0.5 per output occurrence and 1.0 once (output tokens only)."""
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, 3.0]])
-    p = ServingParams(repetition_penalty=2.0)
+    p = SamplingParams(repetition_penalty=2.0)
     out = Sampler._penalize(logits, [p], [([0, 1], [])])
     assert out.tolist() == [[1.0, -4.0, 1.0, 0.5, 3.0]]
-    p = ServingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
     out = Sampler._penalize(logits, [p], [([4], [2, 2, 3])])
     assert out.tolist() == [[2.0, -2.0, 1.0 - 1.0 - 1.0, 0.5 - 0.5 - 1.0, 3.0]]
     # greedy would pick token 4 (logit 3); a repetition penalty of 2 on it (seen in the prompt) makes it 1.5 < 2.0
     s = Sampler(seed=0)
-    assert s(logits.clone(), ["g"], [ServingParams()], {}) == [4]
-    assert s(logits.clone(), ["g"], [ServingParams(repetition_penalty=2.0)], {"g": ([4], [])}) == [0]
+    assert s(logits.clone(), ["g"], [SamplingParams()], {}) == [4]
+    assert s(logits.clone(), ["g"], [SamplingParams(repetition_penalty=2.0)], {"g": ([4], [])}) == [0]
 
 
 def test_logprobs_are_the_raw_distribution():
@@ -90,7 +90,7 @@ def test_every_tensor_lives_on_the_logits_device():
     """On the meta device a CPU tensor made by mistake fails with a device mismatch; a device-clean path runs to
     its first read-back of values, which meta cannot give."""
     logits = torch.empty(3, 50, device="meta")
-    params = [SamplingParams(), ServingParams(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3,
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3,
                                               frequency_penalty=0.2, ignore_eos=True), SamplingParams(temperature=1.0)]
     with pytest.raises(NotImplementedError, match="meta"):
         Sampler(seed=0, eos_ids=[2])(logits, ["a", "b", "c"], params, {"b": ([1, 2], [3])})

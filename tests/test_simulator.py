@@ -55,9 +55,11 @@ def test_fit_recovers_known_costs_and_reports_each_kind():
                           "num_prompt_tokens": np.where(kind == "decode", 0, rng.integers(1, 500, n)),
                           "num_decode_rows": np.where(kind == "prefill", 0, rng.integers(1, 64, n)),
                           "num_sampled_rows": rng.integers(1, 64, n), "decode_attention": rng.integers(0, 20000, n),
-                          "prompt_attention": rng.integers(0, 200000, n), "is_mixed": (kind == "mixed").astype(int)})
+                          "prompt_attention": rng.integers(0, 200000, n), "is_mixed": (kind == "mixed").astype(int),
+                          "multi_row": rng.integers(0, 2, n)})
     true = CostModel(0.03, {"num_prompt_tokens": 8e-4, "num_decode_rows": 1.5e-3, "num_sampled_rows": 5e-4,
-                            "decode_attention": 2e-7, "prompt_attention": 1e-8, "is_mixed": 0.004})
+                            "decode_attention": 2e-7, "prompt_attention": 1e-8, "is_mixed": 0.004,
+                            "multi_row": 0.02})
     steps["duration"] = [true.predict(r) * rng.normal(1, 0.01) for r in steps.to_dict("records")]
     model, stats = fit(steps)
     assert model.fixed == pytest.approx(0.03, rel=0.05)
@@ -72,7 +74,7 @@ def test_fit_never_goes_negative():
     rng = np.random.default_rng(1)
     steps = pd.DataFrame({f: rng.integers(0, 100, 200) for f in ("num_prompt_tokens", "num_decode_rows",
                                                                 "num_sampled_rows", "decode_attention",
-                                                                "prompt_attention", "is_mixed")})
+                                                                "prompt_attention", "is_mixed", "multi_row")})
     steps["kind"] = "decode"
     steps["duration"] = 0.05 - 1e-4 * steps["decode_attention"] + 1e-3 * steps["num_decode_rows"] + 0.011
     model, _ = fit(steps)
