@@ -78,11 +78,12 @@ class Worker(ABC):
         return self.draining and time.monotonic() >= self.drain_deadline
 
     def _measure(self, kind: str, duration: float, prompt_tokens: int) -> None:
-        """Fold one step into the averages: decode steps give s/step, prefill steps s/prompt token."""
+        """Fold one step into the averages: decode steps give s/step (the fixed cost of any step); prefill and mixed
+        steps give s/prompt token net of that fixed cost, so many prompts in one step are not charged it per token."""
         if kind == "decode":
             self.decode_s = duration if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * duration
-        elif prompt_tokens:
-            spent = max(0.0, duration - (self.decode_s or 0.0) if kind == "mixed" else duration) / prompt_tokens
+        elif prompt_tokens and self.decode_s is not None:
+            spent = max(0.0, duration - self.decode_s) / prompt_tokens
             self.prefill_s = spent if not self.prefill_s else (1 - EMA) * self.prefill_s + EMA * spent
 
     @property
@@ -125,17 +126,22 @@ class EngineWorker(Worker):
 
     def wait_estimate(self, prompt_len: int, max_tokens: int) -> float:
         """Seats free up as running requests finish (at most their tokens left, in decode steps); each queued
-        request takes the first seat to free for its max_tokens; the new request gets the next one. Every prompt
-        ahead and its own is prefilled at the measured cost per token. 0 until a decode step was measured."""
+        request takes the first seat to free for its max_tokens; the new request gets the next one. Requests whose
+        seats free at the same step are prefilled in one step: each such step costs a decode step plus the measured
+        cost per prompt token. 0 until a decode step was measured."""
         if self.decode_s is None:
             return 0.0
         running, waiting = self.ahead
         waiting = waiting + list(self.pending.values())
         free = [0] * max(0, self.num_seats - len(running)) + list(running)
         heapq.heapify(free)
+        starts = set()  # decode steps from now at which queued requests are admitted (one prefill step each)
         for _, m in waiting:
-            heapq.heappush(free, heapq.heappop(free) + m)
-        return free[0] * self.decode_s + (prompt_len + sum(p for p, _ in waiting)) * self.prefill_s
+            start = heapq.heappop(free)
+            starts.add(start)
+            heapq.heappush(free, start + m)
+        steps = free[0] + len(starts | {free[0]})
+        return steps * self.decode_s + (prompt_len + sum(p for p, _ in waiting)) * self.prefill_s
 
     def _emit(self, event: StepEvent):
         target = self.streams.get(event.rid)

@@ -227,17 +227,3 @@ def test_api_key(chat_model):
             client(s, "wrong").models.list()
         assert client(s, "sekret").models.list().data[0].id == "tiny-chat"
         assert httpx.get(f"{s.url}/health").status_code == 200  # health needs no key
-
-
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
-def test_pure_static_never_answers_a_lone_request(chat_model, stream):
-    """max_batch 8 and no deadline: a lone request waits forever (seed 000's break-it); leaving dequeues it."""
-    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=4) as s:
-        body = {"messages": HI, "max_tokens": 4, "stream": stream}
-        with pytest.raises(httpx.ReadTimeout):
-            with httpx.Client(timeout=httpx.Timeout(10, read=1.0)) as h:
-                with h.stream("POST", f"{s.url}/v1/chat/completions", json=body) as r:
-                    for _ in r.iter_lines():
-                        pass
-        wait_for(lambda: s.worker.queued() == 0, 5, "the abandoned request stayed in the queue")
-        assert metric(s.url, "vllm:request_success_total", finished_reason="abort") == 1

@@ -9,11 +9,13 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
+from servers.worker import EngineWorker
 from tests.serving import BACKENDS, ONE_SEAT, Server, client, free_port, metric, slow_steps, wait_for
 
 HI = [{"role": "user", "content": "hi"}]
@@ -37,6 +39,18 @@ def test_429_with_retry_after(chat_model):
         assert r.status_code == 429 and r.headers["retry-after"] == "1" and "queue" in r.json()["error"]["message"]
         t.join(timeout=10)
         assert outcome == ["timeout"]
+
+
+def test_wait_estimate_prices_one_prefill_step_per_admission():
+    """Queued requests admitted at the same decode step share one prefill step; prompt tokens cost the measured
+    marginal rate, net of the step's fixed cost (a decode step)."""
+    w = EngineWorker(SimpleNamespace(scheduler=SimpleNamespace(seats=SimpleNamespace(num_seats=4))), 16)
+    w._measure("decode", 0.1, 0)
+    w._measure("prefill", 0.6, 1000)
+    assert w.prefill_s == pytest.approx(0.0005)  # (0.6 - 0.1) / 1000 s per prompt token
+    w.ahead = ([10, 10, 20, 30], [(100, 5), (100, 5)])  # tokens left per running request; queued (prompt, max)
+    # both queued take the seats freeing at step 10 (one prefill step); the new one the next seat, at step 15
+    assert w.wait_estimate(50, 8) == pytest.approx((15 + 2) * 0.1 + 250 * 0.0005)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
@@ -272,3 +286,17 @@ def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
+def test_pure_static_never_answers_a_lone_request(chat_model, stream):
+    """max_batch 8 and no deadline: a lone request waits forever (seed 000's break-it); leaving dequeues it."""
+    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=4) as s:
+        body = {"messages": HI, "max_tokens": 4, "stream": stream}
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(timeout=httpx.Timeout(10, read=1.0)) as h:
+                with h.stream("POST", f"{s.url}/v1/chat/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        pass
+        wait_for(lambda: s.worker.queued() == 0, 5, "the abandoned request stayed in the queue")
+        assert metric(s.url, "vllm:request_success_total", finished_reason="abort") == 1
