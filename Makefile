@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test
+.PHONY: setup repro test gpu-check
 
 setup: $(VENV)/.installed
 
@@ -18,4 +18,12 @@ repro: setup
 	dvc repro
 
 test: setup
-	pytest -m "not gpu"
+	pytest -m "slow or not slow" -rs
+
+# On one CUDA GPU: the gpu-marked tests, then the whole pipeline in bf16 on the Llama-3.1-8B-shape model as a DVC
+# experiment in a temporary copy; its reports land in reports/machines/<fingerprint id>/ beside the CPU's.
+GPU_EXP := gpu-$(shell date +%Y%m%d-%H%M%S)
+gpu-check: setup
+	pytest -m gpu -rs
+	dvc exp run --temp -n $(GPU_EXP) -S profile=gpu -S model=llama-3.1-8b-shape -S precision=bf16
+	python -m pipeline.machine_reports $(GPU_EXP)

@@ -9,6 +9,8 @@ the GPU), so no step copies between devices before its one read-back of the chos
 """
 import torch
 
+from engine.device import to_device
+
 
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """argmax over the last dim (the first maximum, as torch.argmax) by block maxima: ~5x faster than argmax
@@ -23,7 +25,7 @@ def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[tuple]:
     """logprobs: [R, vocab] log-softmax rows; per row (chosen token's logprob, ((id, logprob), ...) top ks[i])."""
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, to_device(tokens, logprobs.device)[:, None])[:, 0].tolist()
     k = max(ks)
     top_lp, top_id = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
     top_lp, top_id = top_lp.tolist(), top_id.tolist()
@@ -54,16 +56,16 @@ class Sampler:
         dev = logits.device
         no_eos = [i for i, p in enumerate(params) if p.ignore_eos]
         if no_eos and self.eos_ids:
-            rows = torch.tensor(no_eos, device=dev)[:, None]
-            logits[rows, torch.tensor(self.eos_ids, device=dev)[None, :]] = float("-inf")
+            rows = to_device(no_eos, dev)[:, None]
+            logits[rows, to_device(self.eos_ids, dev)[None, :]] = float("-inf")
         hurt = [i for i, p in enumerate(params) if p.penalized]
         if hurt:
-            idx = torch.tensor(hurt, device=dev)
+            idx = to_device(hurt, dev)
             logits[idx] = self._penalize(logits[idx], [params[i] for i in hurt], [seen[rids[i]] for i in hurt])
         tokens = first_argmax(logits)
         hot = [i for i, p in enumerate(params) if p.temperature > 0]
         if hot:
-            idx = torch.tensor(hot, device=dev)
+            idx = to_device(hot, dev)
             tokens[idx] = self._sample(logits[idx], [rids[i] for i in hot], [params[i] for i in hot])
         return tokens.tolist()
 
@@ -74,25 +76,25 @@ class Sampler:
         dev, (rows, vocab) = logits.device, logits.shape
 
         def counts(lists: list[list[int]]) -> torch.Tensor:
-            row = torch.tensor([r for r, ids in enumerate(lists) for _ in ids], dtype=torch.long, device=dev)
-            ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.long, device=dev)
+            row = to_device([r for r, ids in enumerate(lists) for _ in ids], dev, torch.long)
+            ids = to_device([t for ids in lists for t in ids], dev, torch.long)
             out = torch.zeros(rows, vocab, dtype=logits.dtype, device=dev)
             return out.index_put_((row, ids), torch.ones(len(ids), dtype=logits.dtype, device=dev), accumulate=True)
 
         output = counts([o for _, o in seen])
         anywhere = (counts([p for p, _ in seen]) + output) > 0
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+        rep = to_device([p.repetition_penalty for p in params], dev, logits.dtype)[:, None]
         logits = torch.where(anywhere, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)[:, None]
+        freq = to_device([p.frequency_penalty for p in params], dev, logits.dtype)[:, None]
+        pres = to_device([p.presence_penalty for p in params], dev, logits.dtype)[:, None]
         return logits - freq * output - pres * (output > 0).to(logits.dtype)
 
     def _sample(self, logits: torch.Tensor, rids: list[str], params: list) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
-        temp = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+        temp = to_device([p.temperature for p in params], dev, logits.dtype)[:, None]
         logits = logits / temp
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev)[:, None]
+        top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], dev)
+        top_p = to_device([p.top_p for p in params], dev, logits.dtype)[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
         probs = sorted_logits.softmax(dim=-1)

@@ -31,6 +31,10 @@ def write_text(path, text: str) -> Path:
     return _atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def write_bytes(path, data: bytes) -> Path:
+    return _atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
 def write_parquet(path, df, meta: dict | None = None) -> Path:
     """A DataFrame to parquet; `meta` (config, environment) rides along in the file's schema metadata."""
     import pyarrow as pa

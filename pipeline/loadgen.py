@@ -32,6 +32,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict, t0: float, timeou
                 if r.status_code != 200:
                     rec["error"] = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                     rec["outcome"] = f"HTTP {r.status_code}"
+                    rec["retry_after"] = float(r.headers.get("retry-after", 0) or 0)  # s
                     return rec
                 done = False
                 async for line in r.aiter_lines():
@@ -130,7 +131,8 @@ async def soak(base_url: str, model: str, concurrency: int, duration_s: float, p
                max_tokens: int = 64, timeout_s: float = 60.0, api_key: str | None = None,
                warmup: int | None = None) -> dict:
     """Closed loop at `concurrency` for duration_s seconds after a warm-up of `warmup` requests (default: one per
-    worker). Returns requests sent, outcomes by kind, lost/hung counts, completed tokens, and
+    worker); a refused request's worker waits its Retry-After before the next. Returns requests sent, outcomes by
+    kind (and each kind's first error message), lost/hung counts, completed tokens, and
     the server's resident memory (/health rss_mb) after the warm-up and at the end. outcomes: see one()."""
     root = base_url.rstrip("/").removesuffix("/v1")
     path = "/chat/completions" if isinstance(prompt, str) else "/completions"
@@ -142,6 +144,7 @@ async def soak(base_url: str, model: str, concurrency: int, duration_s: float, p
         await asyncio.gather(*(one(client, path, body, t0, timeout_s) for _ in range(warmup or concurrency)))
         start = await health(client, root)
         outcomes: Counter = Counter()
+        first_error: dict[str, str] = {}  # outcome -> its first error message
         tokens = 0
         end = time.perf_counter() + duration_s
 
@@ -150,12 +153,16 @@ async def soak(base_url: str, model: str, concurrency: int, duration_s: float, p
             while time.perf_counter() < end:
                 rec = finish(await one(client, path, body, t0, timeout_s), max_tokens)
                 outcomes[rec["outcome"]] += 1
+                if rec["error"]:
+                    first_error.setdefault(rec["outcome"], rec["error"])
+                if rec.get("retry_after"):  # a polite client waits as told before its next request
+                    await asyncio.sleep(min(rec["retry_after"], max(0.0, end - time.perf_counter())))
                 tokens += rec["num_tokens"] if rec["complete"] else 0
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         stop = await health(client, root)
-    return {"requests": sum(outcomes.values()), "outcomes": dict(outcomes), "lost": outcomes["lost"],
-            "hung": outcomes["hung"], "completed_tokens": tokens, "duration_s": duration_s,
+    return {"requests": sum(outcomes.values()), "outcomes": dict(outcomes), "first_error": first_error,
+            "lost": outcomes["lost"], "hung": outcomes["hung"], "completed_tokens": tokens, "duration_s": duration_s,
             "concurrency": concurrency, "rss_mb_start": start.get("rss_mb"), "rss_mb_end": stop.get("rss_mb")}
 
 

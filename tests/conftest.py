@@ -13,6 +13,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ("tiny-llama", "tiny-qwen2")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need CUDA: without it they are skipped, and the skip says so (pytest -rs)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; torch sees none here (run them with `make gpu-check`)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def model_cfg(name: str):
     return OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
 

@@ -32,10 +32,9 @@ def bf16(request):
     return request.param, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
-def test_bf16_tokens_agree_up_to_near_ties(bf16, policy):
-    name, model, prompts, ref = bf16
-    out = run_scenario(model, OmegaConf.create(policy), prompts, LENS, ARRIVE)
+def agreement(label: str, model, prompts, ref, out) -> list[int]:
+    """Tokens equal before each request's first divergence; fails unless every divergence is a near-tie of the
+    reference's own logits (within two bf16 steps of its best)."""
     agreed = []
     for i, expected in enumerate(ref):
         got = out[str(i)]
@@ -44,9 +43,18 @@ def test_bf16_tokens_agree_up_to_near_ties(bf16, policy):
         if k == len(expected):
             continue
         with torch.inference_mode():
-            logits = model(torch.tensor([prompts[i] + expected[:k]])).logits[0, -1].float()
+            ids = torch.tensor([prompts[i] + expected[:k]], device=model.device)
+            logits = model(ids).logits[0, -1].float()
         best = logits.max().item()
         assert best - logits[got[k]].item() <= 2 * ulp(best), (
-            f"{name} {policy['name']}: request {i} diverges at token {k} where the reference's best logit {best} "
+            f"{label}: request {i} diverges at token {k} where the reference's best logit {best} "
             f"beats the engine's choice by {best - logits[got[k]].item()}, more than two bf16 steps")
+    return agreed
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+def test_bf16_tokens_agree_up_to_near_ties(bf16, policy):
+    name, model, prompts, ref = bf16
+    out = run_scenario(model, OmegaConf.create(policy), prompts, LENS, ARRIVE)
+    agreed = agreement(f"{name} {policy['name']}", model, prompts, ref, out)
     print(f"{name} {policy['name']} bf16: tokens equal before the first divergence {agreed} of {LENS}")

@@ -1,0 +1,58 @@
+"""On one CUDA device (`make gpu-check`; skipped with its reason elsewhere): token equality with Hugging Face
+`generate` on both tiny architectures in fp32 and, by the near-tie rule of tests/test_bf16.py, in bf16; a server
+answering with the API's default sampling (temperature 1); the engine speed case at B=1 and B=64 (no speed bar:
+the figures are printed)."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine.hf import generate_alone
+from engine.loader import eos_ids, load_model
+from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
+from pipeline.speed import run_case
+from tests.conftest import TINY, model_cfg
+from tests.serving import BACKENDS, Server, client
+from tests.test_bf16 import agreement
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=[(name, dtype) for name in TINY for dtype in ("float32", "bfloat16")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def on_cuda(request):
+    name, dtype = request.param
+    model, _ = load_model(model_cfg(name), dtype, "cuda")
+    prompts = scenario_prompts(model, None)
+    return f"{name} {dtype}", model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+def test_tokens_on_cuda(on_cuda, policy):
+    label, model, prompts, ref = on_cuda
+    out = run_scenario(model, OmegaConf.create(policy), prompts, LENS, ARRIVE)
+    if model.dtype == torch.float32:
+        assert [out[str(i)] for i in range(len(ref))] == ref, f"{label} {policy['name']}"
+    else:
+        print(label, policy["name"], agreement(f"{label} {policy['name']}", model, prompts, ref, out), "of", LENS)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_server_default_sampling_on_cuda(smollm2_tokenizer_dir, backend):
+    cfg = model_cfg("tiny-chat")
+    cfg.tokenizer = str(smollm2_tokenizer_dir)
+    model, tok = load_model(cfg, "float32", "cuda")
+    with Server(model, tok, BACKENDS[backend]) as s:
+        r = client(s).chat.completions.create(model="tiny-chat", max_tokens=8,
+                                              messages=[{"role": "user", "content": "hi"}])
+        assert r.usage.completion_tokens >= 1 and r.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_engine_speed_case_on_cuda(smollm2_tokenizer_dir, batch):
+    cfg = model_cfg("smollm2-135m")
+    cfg.path = str(smollm2_tokenizer_dir)
+    model, tok = load_model(cfg, "bfloat16", "cuda")
+    row = run_case(model, tok, {"batch": batch, "prompt": "chat", "new_tokens": 32}, 1, eos_ids(model),
+                   tok.pad_token_id or 0)
+    print({k: row[k] for k in ("batch", "engine_tps", "hf_tps", "ratio", "decode_ratio", "engine_peak_mb")})
+    assert row["engine_tps"] > 0 and row["hf_tps"] > 0
