@@ -1,7 +1,10 @@
-"""KV caches behind one interface: `write` the step's new K/V, `view` the first seats, `gather` any seats.
+"""KV caches: `slots` gives the flat rows of this step's tokens, `write` stores their K/V there in place.
 
-SlotCache: one preallocated row per seat, written in place; its size never changes.
+SlotCache: one preallocated row per seat, written in place; its size never changes. `view` the first seats,
+  `gather` any seats.
 CatCache: the growing cache of a naive engine, extended with torch.cat whenever a step needs more length.
+PagedCache: a fixed pool of blocks shared by all requests (engine.blocks hands them out); `gather` reads each
+  sequence's keys through its block table.
 """
 import torch
 
@@ -71,3 +74,41 @@ class CatCache(SlotCache):
         D = k.shape[-1]
         self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
         self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+
+
+class PagedCache:
+    """A pool of blocks of `block_size` positions; a request's K/V live in the blocks its table lists, in order."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)  # [block, kv head, offset, dim]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size = block_size
+        self._heads = torch.arange(num_kv_heads, device=device)
+        self._offsets = torch.arange(block_size, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def slots(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat row index [T * kv heads] of each (token, kv head) in a [block * head * offset, dim] view; blocks:
+        [T] the block holding each token's position."""
+        heads, bs = len(self._heads), self.block_size
+        return ((blocks[:, None] * heads + self._heads) * bs + (positions % bs)[:, None]).view(-1)
+
+    def keys(self, tables: torch.Tensor) -> torch.Tensor:
+        """Flat rows [B, kv heads, nb * block_size] of the positions held by block tables [B, nb]."""
+        heads, bs = len(self._heads), self.block_size
+        rows = (tables[:, None, :, None] * heads + self._heads[None, :, None, None]) * bs + self._offsets
+        return rows.view(tables.shape[0], heads, -1)
+
+    write = SlotCache.write
+
+    def gather(self, layer: int, keys: torch.Tensor):
+        """K, V [B, kv heads, L, dim] at the rows `keys` [B, kv heads, L] gives (a copy)."""
+        D = self.k[layer].shape[-1]
+        flat = keys.view(-1)
+        return (self.k[layer].view(-1, D).index_select(0, flat).view(*keys.shape, D),
+                self.v[layer].view(-1, D).index_select(0, flat).view(*keys.shape, D))

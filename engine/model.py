@@ -8,19 +8,22 @@ as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) it is applied in the
 Attention softmax runs in fp32 whatever the weights' dtype; logits come out in fp32 for the sampler. Attention runs in two batched calls per layer, never a loop over sequences:
   decodes (one query each) against a no-copy view of the first seats of the cache,
   prompt chunks (padded to the longest chunk) against a gather of their seats.
+On a paged cache both parts gather each sequence's keys through its block table (plan.dec_keys, plan.pre_keys)
+into one contiguous tensor, then run the same two calls.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
 A config is checked first (check_config): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROW_BLOCK = 1024  # tokens per MLP block in long prefills: keeps the [rows, 2 x intermediate] activations in cache
+KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
 
 # MKL's packed product as an operator of its own, which a compiled graph calls as is (Inductor's lowering of the
@@ -81,6 +84,8 @@ class AttentionPlan:
     pre_shape: tuple[int, int, int]  # (P, Qmax, Lp)
     pre_mask: torch.Tensor | None  # [P, 1, Qmax, Lp] bool; None when every chunk starts at 0 (plain causal)
     pre_dense: bool = False      # only whole prompts, all of one length: this step's q, k, v are the grid
+    dec_keys: torch.Tensor | None = None  # paged: [Bd, KV, Ld] cache rows of each decode's keys (dec_bias masks)
+    pre_keys: torch.Tensor | None = None  # paged: [P, KV, Lp] cache rows of each chunk's keys (pre_shape's Lp)
 
 
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Hugging Face model -> its FlatModel
@@ -236,18 +241,50 @@ class FlatModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, plan: AttentionPlan, cache, logit_rows: torch.Tensor,
-                compiled: bool = False) -> torch.Tensor:
+                compiled: bool = False, graphs: bool = False) -> torch.Tensor:
         """ids: [T]; returns float32 logits [len(logit_rows), vocab].
 
         compiled: run a step of decodes only through torch.compile (Inductor, dynamic shapes): one graph per step
         instead of ~70 eager operators per layer, the elementwise ones fused (~10% faster steps at one row here).
         Compiling takes 30-120 s per process for each kind of step (one row; several; several of one length),
-        less when Inductor's disk cache has it."""
-        if compiled and plan.dec_dense:
+        less when Inductor's disk cache has it.
+        graphs: pad those steps to a few shapes (see _bucketed); with `compiled` on CUDA each shape is captured
+        once as a CUDA graph (mode "reduce-overhead") and replayed, so a decode step is one launch."""
+        if not (plan.dec_dense and (compiled or graphs)):
+            return self._forward(ids, plan, cache, logit_rows)
+        n = logit_rows.shape[0]
+        if graphs:
+            ids, plan, logit_rows = self._bucketed(ids, plan, cache)
+        run = self._forward
+        if compiled:
             if self._compiled is None:
-                self._compiled = torch.compile(self._forward, dynamic=True)
-            return self._compiled(ids, plan, cache, logit_rows)
-        return self._forward(ids, plan, cache, logit_rows)
+                cuda_graphs = graphs and self.embed.device.type == "cuda"
+                if cuda_graphs:  # the cache is written inside the graph: its tensors must keep their addresses
+                    for t in cache.k + cache.v:
+                        torch._dynamo.mark_static_address(t)
+                self._compiled = torch.compile(self._forward, dynamic=True,
+                                               mode="reduce-overhead" if cuda_graphs else None)
+            run = self._compiled
+        logits = run(ids, plan, cache, logit_rows)
+        return logits[:n].clone() if graphs else logits  # a graph's outputs are overwritten by its next replay
+
+    def _bucketed(self, ids: torch.Tensor, plan: AttentionPlan, cache):
+        """A dense decode step padded to one of few shapes: seats to the next power of two (at most the cache's),
+        keys to the next multiple of KEY_BUCKET (at most a seat), each row masked to its own keys. A padded row
+        decodes token 0 in its own seat at the seat's last position, which no request ever writes (prompt +
+        max_tokens fit the seat and the last token is never fed back), and attends every key; its logits are
+        dropped. Returns ids, plan, logit rows (all rows, in seat order)."""
+        S, dev = plan.dec_num_seats, ids.device
+        Sb = min(1 << (S - 1).bit_length(), cache.k[0].shape[0])
+        Lb = min(-(-plan.dec_len // KEY_BUCKET) * KEY_BUCKET, cache.seat_tokens)
+        rows = torch.arange(Sb, device=dev)
+        pos = torch.cat([plan.positions, plan.positions.new_full((Sb - S,), cache.seat_tokens - 1)])
+        j, p = torch.arange(Lb, device=dev)[None, :], pos[:, None]
+        masked = j > p if self.window is None else (j > p) | (j <= p - self.window)
+        masked &= (rows < S)[:, None]  # padded rows see every key: no row is all -inf (no NaN written anywhere)
+        bias = torch.zeros(masked.shape, dtype=self.dtype, device=dev).masked_fill_(masked, -torch.inf)
+        plan = replace(plan, seats=rows, positions=pos, dec_num_seats=Sb, dec_len=Lb, dec_bias=bias[:, None, None, :])
+        return torch.cat([ids, ids.new_zeros(Sb - S)]), plan, rows
 
     def _forward(self, ids: torch.Tensor, plan: AttentionPlan, cache, logit_rows: torch.Tensor) -> torch.Tensor:
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -287,28 +324,34 @@ class FlatModel:
             return o.transpose(1, 2).reshape(q.shape)
         S, L = plan.dec_num_seats, plan.dec_len
         if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
-            return self._decode(layer, q.contiguous(), S, L, plan.dec_bias, cache).view(q.shape)
+            return self._decode(q.contiguous(), *cache.view(layer, S, L), plan.dec_bias).view(q.shape)
         out = torch.empty_like(q)
-        if plan.dec_tok is not None:
+        if plan.dec_keys is not None:  # paged: decode i against its own gathered keys
+            out[plan.dec_tok] = self._decode(q[plan.dec_tok], *cache.gather(layer, plan.dec_keys), plan.dec_bias)
+        elif plan.dec_tok is not None:
             qd = q.new_zeros(S, H, D)
             qd[plan.dec_seats] = q[plan.dec_tok]
-            out[plan.dec_tok] = self._decode(layer, qd, S, L, plan.dec_bias, cache)[plan.dec_seats]
+            out[plan.dec_tok] = self._decode(qd, *cache.view(layer, S, L), plan.dec_bias)[plan.dec_seats]
         if plan.pre_tok is not None:
             P, Q, L = plan.pre_shape
             qp = q.new_zeros(P * Q, H, D)
             qp[plan.pre_slot] = q[plan.pre_tok]
-            k, v = cache.gather(layer, plan.pre_seats, L)
+            if plan.pre_keys is None:
+                k, v = cache.gather(layer, plan.pre_seats, L)
+            else:  # paged
+                k, v = cache.gather(layer, plan.pre_keys)
             o = F.scaled_dot_product_attention(qp.view(P, Q, H, D).transpose(1, 2), k, v, attn_mask=plan.pre_mask,
                                                is_causal=plan.pre_mask is None, scale=self.attn_scale,
                                                enable_gqa=True)
             out[plan.pre_tok] = o.transpose(1, 2).reshape(P * Q, H, D)[plan.pre_slot]
         return out
 
-    def _decode(self, layer: int, q: torch.Tensor, S: int, L: int, bias: torch.Tensor | None, cache) -> torch.Tensor:
-        """One query per seat [S, H, D] against a view of seats [0, S): two batched matmuls over the GQA groups,
-        the softmax in fp32."""
-        KV, D = self.num_kv_heads, self.head_dim
-        k, v = (t.view(S * KV, L, D) for t in cache.view(layer, S, L))  # no copy: seats and heads share a stride
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """One query per sequence [S, H, D] against its keys k, v [S, KV, L, D] (sequences and heads sharing a
+        stride: a view of the first seats, or a gather): two batched matmuls over the GQA groups, the softmax in
+        fp32."""
+        S, KV, L, D = k.shape
+        k, v = k.view(S * KV, L, D), v.view(S * KV, L, D)  # no copy
         scores = torch.bmm(q.view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
         if self.attn_scale != 1.0:
             scores.mul_(self.attn_scale)

@@ -1,7 +1,8 @@
 """The batching policies, one class each; `make_scheduler` builds one from a conf/policy entry.
 
-Request-level (a batch runs until its longest member ends; finished rows stay as zombies):
-  static, dynamic, bucketed.  Iteration-level (seats refilled every step): naive, continuous, mixed, chunked.
+Request-level (a batch runs until its longest member ends; finished rows stay as zombies; slot KV only):
+  static, dynamic, bucketed.  Iteration-level (seats refilled every step; slot or paged KV): naive, continuous,
+  mixed, chunked.
 """
 import math
 
@@ -16,7 +17,7 @@ class Continuous(Scheduler):
 
     def _admit_waiting(self, now: float) -> list[Request]:
         new = []
-        while self.waiting and self.seats.can_allocate():
+        while self.waiting and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             self._admit(req, now)
             new.append(req)
@@ -65,7 +66,7 @@ class Chunked(Continuous):
             if r.in_prompt and budget > 0:
                 chunks.append(self._chunk(r, budget))
                 budget -= len(chunks[-1].tokens)
-        while budget > 0 and self.waiting and self.seats.can_allocate():
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             self._admit(req, now)
             new.append(req)

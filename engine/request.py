@@ -77,24 +77,35 @@ class Request:
     arrival: float = 0.0                              # s, on the engine's clock
     status: Status = Status.WAITING
     seat: int | None = None
-    num_computed: int = 0                             # tokens whose K/V are in the seat
+    num_computed: int = 0                             # tokens of the sequence (prompt + output) whose K/V are cached
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # s, one per output token
-    admit_time: float | None = None
+    admit_time: float | None = None                   # s, the first admission
     finish_time: float | None = None
     finish_reason: str | None = None                  # "stop" | "length" | "abort" | "error"
+    replayed: int = 0                                 # output tokens prefilled again with the prompt after a preemption
+    num_cached: int = 0                               # tokens found in the prefix cache at the latest admission
+    num_preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens computed as a prefill: the prompt, and after a preemption the output produced before it."""
+        return len(self.prompt) + self.replayed
+
+    @property
     def in_prompt(self) -> bool:
-        """Still has prompt tokens whose K/V are not yet computed."""
-        return self.num_computed < len(self.prompt)
+        """Still has prefill tokens whose K/V are not yet computed."""
+        return self.num_computed < self.prefill_len
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """The sequence (prompt + output) from position start to end."""
+        n = len(self.prompt)
+        return self.prompt[start:end] + self.output[max(start - n, 0):max(end - n, 0)]
 
     def next_tokens(self, limit: int) -> list[int]:
-        """Up to `limit` tokens not yet computed: a prompt chunk, or the last sampled token."""
-        if self.num_computed >= len(self.prompt):
-            return self.output[self.num_computed - len(self.prompt):][:limit]
-        return self.prompt[self.num_computed:self.num_computed + limit]
+        """Up to `limit` tokens not yet computed: a prefill chunk, or the last sampled token."""
+        return self.tokens(self.num_computed, self.num_computed + limit)

@@ -5,7 +5,8 @@ Only plain Python values go back to the scheduler.
 """
 import torch
 
-from engine.kv_cache import CatCache, SlotCache
+from engine.device import to_device
+from engine.kv_cache import CatCache, PagedCache, SlotCache
 from engine.model import AttentionPlan, FlatModel
 from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import SchedulerOutput
@@ -15,13 +16,20 @@ CACHES = {"slot": SlotCache, "cat": CatCache}
 
 class ModelRunner:
     def __init__(self, hf_model, num_seats: int, seat_tokens: int, cache: str = "slot", seed: int = 0, eos_ids=(),
-                 compile: bool = False):
+                 compile: bool = False, pool: tuple[int, int] | None = None, graphs: bool = False):
+        """pool: (blocks, tokens per block) of a paged cache, which then replaces `cache`; graphs: decode-only steps
+        padded to few shapes, captured as CUDA graphs when compiled on CUDA (FlatModel.forward; slot cache only)."""
         self.net = FlatModel.of(hf_model)
         self.compile = compile  # decode-only steps through torch.compile (FlatModel.forward)
+        self.graphs = graphs and pool is None and cache == "slot"
         self.device = self.net.embed.device
         self.seat_tokens = seat_tokens
-        self.cache = CACHES[cache](self.net.num_layers, num_seats, seat_tokens, self.net.num_kv_heads,
-                                   self.net.head_dim, self.net.dtype, self.device)
+        shape = (self.net.num_kv_heads, self.net.head_dim, self.net.dtype, self.device)
+        if pool is None:
+            self.cache = CACHES[cache](self.net.num_layers, num_seats, seat_tokens, *shape)
+        else:
+            self.cache = PagedCache(self.net.num_layers, *pool, *shape)
+        self.block_size = None if pool is None else pool[1]  # None: a row per seat
         self.sampler = Sampler(seed, eos_ids)
         self.logprobs: dict[str, tuple] = {}  # rid -> (logprob, top alternatives) of the last run's rows that asked
 
@@ -30,10 +38,11 @@ class ModelRunner:
         return self.net.vocab_size
 
     def _tensor(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, self.device)
 
     def plan(self, out: SchedulerOutput):
         """Flatten the chunks: token ids, the attention index tensors, and the rows to take logits from."""
+        bs = self.block_size
         ids, seats, positions, logit_rows = [], [], [], []
         dec_tok, dec_seats, dec_lens = [], [], []
         pre_tok, pre_slot, pre_seats, pre_spans = [], [], [], []
@@ -41,23 +50,30 @@ class ModelRunner:
         for c in out.chunks:
             n, t0 = len(c.tokens), len(ids)
             ids.extend(c.tokens)
-            seats.extend([c.seat] * n)
+            if bs is None:
+                seats.extend([c.seat] * n)
+            else:  # paged: the block holding each position
+                seats.extend(c.blocks[p // bs] for p in range(c.start, c.start + n))
             positions.extend(range(c.start, c.start + n))
+            keys = c.seat if bs is None else c.blocks  # where the chunk's keys are: its seat or its block table
             if n == 1:
                 dec_tok.append(t0)
-                dec_seats.append(c.seat)
+                dec_seats.append(keys)
                 dec_lens.append(c.start + 1)
             else:
                 p = len(pre_seats)
                 pre_tok.extend(range(t0, t0 + n))
                 pre_slot.extend(range(p * qmax, p * qmax + n))
-                pre_seats.append(c.seat)
+                pre_seats.append(keys)
                 pre_spans.append((c.start, n))
             if c.sample:
                 logit_rows.append(t0 + n - 1)
-        dec = self._decode_part(dec_tok, dec_seats, dec_lens, len(ids))
-        pre = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax, len(ids))
-        attn = AttentionPlan(self._tensor(seats), self._tensor(positions), *dec, *pre)
+        if bs is None:
+            dec, dec_keys = self._decode_part(dec_tok, dec_seats, dec_lens, len(ids)), None
+        else:
+            dec, dec_keys = self._paged_decode_part(dec_tok, dec_seats, dec_lens)
+        pre, pre_keys = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax, len(ids))
+        attn = AttentionPlan(self._tensor(seats), self._tensor(positions), *dec, *pre, dec_keys, pre_keys)
         return self._tensor(ids), attn, self._tensor(logit_rows)
 
     def _decode_part(self, tok, seats, lens, num_tokens):
@@ -68,32 +84,63 @@ class ModelRunner:
         seat_len = [1] * num_seats           # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
             seat_len[s] = n
-        bias, win = None, self.net.window
-        if any(n != length for n in seat_len) or (win is not None and length > win):
-            j, n = torch.arange(length, device=self.device)[None, :], self._tensor(seat_len)[:, None]
-            masked = j >= n if win is None else (j >= n) | (j < n - win)  # the query sits at position n - 1
-            bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
-            bias = bias[:, None, None, :]
+        win = self.net.window
+        masked = any(n != length for n in seat_len) or (win is not None and length > win)
+        bias = self._bias(seat_len, length) if masked else None
         return self._tensor(tok), self._tensor(seats), num_seats, length, bias, dense
 
-    def _prefill_part(self, tok, slot, seats, spans, qmax, num_tokens):
+    def _paged_decode_part(self, tok, tables, lens):
+        """Each decode reads whole blocks through its table; the keys past its position are masked."""
         if not tok:
-            return None, None, None, (0, 0, 0), None, False
+            return (None, None, 0, 0, None, False), None
+        length = -(-max(lens) // self.block_size) * self.block_size
+        return (self._tensor(tok), None, len(tok), length, self._bias(lens, length), False), self._keys(tables, length)
+
+    def _bias(self, lens, length):
+        """[S, 1, 1, length] additive mask of one query at position n - 1 per sequence (n = lens[i]) against keys
+        [0, length): 0 where it attends (within the window), -inf elsewhere."""
+        win = self.net.window
+        j, n = torch.arange(length, device=self.device)[None, :], self._tensor(lens)[:, None]
+        masked = j >= n if win is None else (j >= n) | (j < n - win)
+        bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
+        return bias[:, None, None, :]
+
+    def _prefill_part(self, tok, slot, seats, spans, qmax, num_tokens):
+        """The plan's prompt-chunk fields and, paged, the rows of their keys (whole blocks through each chunk's
+        table in `seats`)."""
+        if not tok:
+            return (None, None, None, (0, 0, 0), None, False), None
         length = max(s + n for s, n in spans)
-        shape = (len(seats), qmax, length)
+        if self.block_size is not None:
+            length = -(-length // self.block_size) * self.block_size
+        mask = self._mask(spans, qmax, length)
+        dense = mask is None and len(tok) == num_tokens and all(n == qmax for _, n in spans)
+        paged = self.block_size is not None
+        where = None if paged else self._tensor(seats)
+        part = (self._tensor(tok), self._tensor(slot), where, (len(seats), qmax, length), mask, dense)
+        return part, self._keys(seats, length) if paged and not dense else None
+
+    def _mask(self, spans, qmax, length):
+        """[P, 1, qmax, length] bool, True where a chunk's query attends: keys up to its absolute position (and
+        within the window); padded query rows see all. None when every chunk is a whole prompt and no window cuts
+        (plain causal from position 0: SDPA's is_causal, aligned top-left, as the chunks start at key 0)."""
         win = self.net.window if self.net.window is not None and length > self.net.window else None
-        if win is None and all(s == 0 for s, _ in spans):  # whole prompts: causal from 0; padded rows discarded
-            dense = len(tok) == num_tokens and all(n == qmax for _, n in spans)
-            return self._tensor(tok), self._tensor(slot), self._tensor(seats), shape, None, dense
+        if win is None and all(s == 0 for s, _ in spans):
+            return None
         starts = self._tensor([s for s, _ in spans])[:, None, None]
         counts = self._tensor([n for _, n in spans])[:, None, None]
         qi = torch.arange(qmax, device=self.device)[None, :, None]
         kj = torch.arange(length, device=self.device)[None, None, :]
-        seen = kj <= starts + qi  # causal by absolute position
+        seen = kj <= starts + qi  # causal by absolute position: a chunk after a cached prefix is aligned to its end
         if win is not None:
             seen &= kj > starts + qi - win
-        mask = seen | (qi >= counts)  # padded query rows see all
-        return self._tensor(tok), self._tensor(slot), self._tensor(seats), shape, mask[:, None], False
+        return (seen | (qi >= counts))[:, None]  # padded query rows see all
+
+    def _keys(self, tables, length):
+        """Cache rows [B, kv heads, length] of each sequence's first `length` positions (whole blocks) through its
+        block table; positions past a table's end read block 0 (masked)."""
+        nb = length // self.block_size
+        return self.cache.keys(self._tensor([t[:nb] + (0,) * (nb - len(t)) for t in tables]))
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput, params: dict, seen: dict | None = None) -> dict[str, int]:
@@ -103,7 +150,7 @@ class ModelRunner:
         distribution (fp32 log-softmax of the logits, before penalties, temperature, top-k and top-p), as vLLM
         and OpenAI report them."""
         ids, attn, rows = self.plan(out)
-        logits = self.net.forward(ids, attn, self.cache, rows, self.compile)
+        logits = self.net.forward(ids, attn, self.cache, rows, self.compile, self.graphs)
         rids = [c.rid for c in out.chunks if c.sample]
         asked = [i for i, r in enumerate(rids) if params[r].logprobs is not None]
         raw = logits[asked].float().log_softmax(dim=-1) if asked else None  # before the sampler edits logits

@@ -2,12 +2,19 @@
 
 Policies subclass Scheduler and override `schedule` (see engine/policies.py); the bookkeeping that
 every policy shares (queue, seats, appending tokens, finishing, zombie rows) lives here.
+
+On a paged KV cache (`use_blocks`) a seat is only a place among the running requests (max_seats caps them);
+their K/V live in blocks of an engine.blocks.BlockManager. Admission also needs blocks for the whole sequence
+(less its prefix-cache hits), and after every step each running request gets the block its next token lands in.
+When none is free, the newest running request is preempted: its blocks are freed, it returns to the front of the
+queue with the tokens it produced, and on readmission prefills prompt + output (recompute) and continues.
 """
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.blocks import BlockManager
 from engine.request import Request, Status, stop_reason
 
 
@@ -20,6 +27,7 @@ class ScheduledChunk:
     sample: bool                # take a token from the chunk's last position
     prompt: bool = False        # the tokens are (part of) the prompt
     zombie: bool = False        # a finished row kept in a static batch: computed, then discarded
+    blocks: tuple[int, ...] = ()  # paged KV: the request's block table (its positions in order)
 
 
 @dataclass(frozen=True)
@@ -27,9 +35,10 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...] = ()
     new_ids: tuple[str, ...] = ()        # admitted this step
     finished_ids: tuple[str, ...] = ()   # finished since the last step (aborts included)
-    preempted_ids: tuple[str, ...] = ()  # no policy preempts yet: seats are reserved whole at admission
+    preempted_ids: tuple[str, ...] = ()  # preempted since the last step (paged KV out of blocks)
     num_pad_tokens: int = 0              # of which left-padding, computed and discarded (padded batch policies)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # rid -> tokens this step
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)     # rid in new_ids -> prefix-cache hit tokens
 
     @property
     def total_tokens(self) -> int:
@@ -136,12 +145,23 @@ class Scheduler(ABC):
 
     def __init__(self, num_seats: int, seat_tokens: int, eos_ids=()):
         self.seats = SeatTable(num_seats)
-        self.seat_tokens = seat_tokens                      # tokens per seat
+        self.seat_tokens = seat_tokens                      # tokens per seat (per request on paged KV)
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []              # holding a seat, admission order
         self.requests: dict[str, Request] = {}
+        self.blocks: BlockManager | None = None       # paged KV (use_blocks); None: each seat holds its own rows
+        self.num_preemptions = 0                      # since construction
         self._finished_since: list[str] = []
+        self._preempted_since: list[str] = []
+
+    def use_blocks(self, blocks: BlockManager) -> None:
+        """Keep the K/V of running requests in a paged pool instead of a row per seat."""
+        if self.holds_finished:
+            raise ValueError(f"policy {type(self).__name__.lower()!r} runs on the slot cache only (kv=slot): a "
+                             "request-level batch keeps its finished rows; paged KV serves naive, continuous, mixed "
+                             "and chunked")
+        self.blocks = blocks
 
     # --- the queue -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -180,6 +200,8 @@ class Scheduler(ABC):
             if req is None:  # its batch ended earlier in this update
                 continue
             req.num_computed += len(ch.tokens)
+            if self.blocks is not None:
+                self.blocks.cache(req.rid, req.num_computed, req.tokens)
             if ch.zombie or not ch.sample or req.status is Status.FINISHED:
                 continue
             token = sampled[ch.rid]
@@ -189,13 +211,42 @@ class Scheduler(ABC):
             if reason:
                 self._finish(req, reason, now)
             events.append(StepEvent(req.rid, token, reason))
+        if self.blocks is not None:
+            self._grow()
         return events
 
+    def _grow(self) -> None:
+        """Paged KV: every running request, oldest first, gets blocks for all its tokens (the next one's
+        included); when none is free the newest running request is preempted, possibly the one in need."""
+        for req in list(self.running):
+            while req.status is Status.RUNNING and not self.blocks.grow(req.rid, req.num_tokens):
+                self._preempt(self.running[-1])
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's seat and blocks; it waits at the front of the queue keeping its output, to be
+        prefilled again (prompt + output) on readmission."""
+        self.running.remove(req)
+        self.seats.free(req.seat)
+        self.blocks.free(req.rid)
+        req.status, req.seat, req.num_computed, req.replayed = Status.WAITING, None, 0, len(req.output)
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._preempted_since.append(req.rid)
+
     # --- helpers for policies --------------------------------------------------------------
+    def _can_admit(self, req: Request) -> bool:
+        """A free seat and, on paged KV, room for the request's sequence above the watermark."""
+        return self.seats.can_allocate() and (self.blocks is None or
+                                              self.blocks.can_allocate(req.num_tokens, req.tokens))
+
     def _admit(self, req: Request, now: float) -> None:
         req.seat = self.seats.allocate()
+        if self.blocks is not None:
+            req.num_cached = req.num_computed = self.blocks.allocate(req.rid, req.num_tokens, req.tokens)
         req.status = Status.RUNNING
-        req.admit_time = now
+        if req.admit_time is None:
+            req.admit_time = now
         self.running.append(req)
 
     def _close(self, req: Request, reason: str, now: float) -> None:
@@ -216,12 +267,16 @@ class Scheduler(ABC):
     def _release(self, req: Request) -> None:
         self.running.remove(req)
         self.seats.free(req.seat)
+        if self.blocks is not None:
+            self.blocks.free(req.rid)
         del self.requests[req.rid]
 
     def _chunk(self, req: Request, limit: int) -> ScheduledChunk:
         tokens = req.next_tokens(limit)
-        last = req.num_computed + len(tokens) >= len(req.prompt)  # chunk reaches the end of the prompt
-        return ScheduledChunk(req.rid, req.seat, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt)
+        last = req.num_computed + len(tokens) >= req.prefill_len  # chunk reaches the end of the prefill
+        table = tuple(self.blocks.table(req.rid)) if self.blocks is not None else ()
+        return ScheduledChunk(req.rid, req.seat, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt,
+                              blocks=table)
 
     def _zombie(self, req: Request) -> ScheduledChunk:
         """A finished row's dummy decode: its last token again, at its next position (clamped to the seat)."""
@@ -231,5 +286,6 @@ class Scheduler(ABC):
 
     def _output(self, chunks: list[ScheduledChunk], new: list[Request], pads: int = 0) -> SchedulerOutput:
         finished, self._finished_since = tuple(self._finished_since), []
-        return SchedulerOutput(tuple(chunks), tuple(r.rid for r in new), finished, (), pads,
-                               {c.rid: len(c.tokens) for c in chunks})
+        preempted, self._preempted_since = tuple(self._preempted_since), []
+        return SchedulerOutput(tuple(chunks), tuple(r.rid for r in new), finished, preempted, pads,
+                               {c.rid: len(c.tokens) for c in chunks}, {r.rid: r.num_cached for r in new})

@@ -55,10 +55,14 @@ class VirtualClock:
 
 
 class SimRunner:
-    """Same interface as ModelRunner: run(plan, params) -> rid -> token; costs virtual time, computes nothing."""
+    """Same interface as ModelRunner: run(plan, params) -> rid -> token; costs virtual time, computes nothing.
+    A paged KV pool is the scheduler's (engine.blocks, model-free), so block budgets simulate as they run;
+    kv_bytes_per_token sizes a pool given in MiB (kv.memory_mb), else give kv.num_blocks."""
 
-    def __init__(self, cost: CostModel, clock: VirtualClock, vocab_size: int = 2**31 - 1):
+    def __init__(self, cost: CostModel, clock: VirtualClock, vocab_size: int = 2**31 - 1,
+                 kv_bytes_per_token: int | None = None):
         self.cost, self.clock, self.vocab_size = cost, clock, vocab_size
+        self.kv_bytes_per_token = kv_bytes_per_token
         self.sampler = _NoSampler()
 
     def run(self, out: SchedulerOutput, params: dict, seen: dict | None = None) -> dict[str, int]:

@@ -17,7 +17,7 @@ BATCH, CONTEXTS, STEPS = 16, [32, 128, 248], 5
 
 
 def measure(model, cache: str, context: int) -> dict:
-    eng = LLMEngine(model, {"name": "continuous", "max_seats": BATCH}, context + STEPS + 2, cache=cache)
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": BATCH}, context + STEPS + 2, kv=cache)
     p = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
     for i in range(BATCH):
         eng.add_request(str(i), [3 + (i * 7 + j) % 200 for j in range(context)], p)

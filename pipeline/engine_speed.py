@@ -18,15 +18,15 @@ def main(cfg) -> list[dict]:
     eos = eos_ids(model)
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     bench = cfg.bench.engine_speed
-    compile = bool(bench.compile)
+    compile, graphs = bool(bench.compile or cfg.precision.compile), bool(cfg.precision.graphs)
     warm = prompts_for("chat", 2, tokenizer, model.config.vocab_size)
     # warm-up, not reported; with compile: the graphs of one row, of several rows, of several rows of one length
     for prompts in (warm[:1], warm, [warm[0]] * 2) if compile else (warm,):
-        engine_run(model, prompts, 8, eos, compile)
+        engine_run(model, prompts, 8, eos, compile, graphs=graphs)
     hf_generate(model, warm, 8, pad_id)
     rows = []
     for case in bench.cases:
-        row = run_case(model, tokenizer, dict(case), int(bench.repeats), eos, pad_id, compile)
+        row = run_case(model, tokenizer, dict(case), int(bench.repeats), eos, pad_id, compile, graphs)
         rows.append({**row, "model": cfg.model.name, "dtype": cfg.precision.dtype})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     write_json(ROOT / "reports" / "engine_speed.json",

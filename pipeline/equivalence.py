@@ -22,10 +22,12 @@ POLICIES = [
 
 
 def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]], seat_tokens: int = 256,
-                 runner_cls=None, max_steps: int = 5000, compile: bool = False) -> dict[str, list[int]]:
+                 runner_cls=None, max_steps: int = 5000, compile: bool = False,
+                 graphs: bool = False) -> dict[str, list[int]]:
     """Arrivals at given steps on a virtual clock of 1 s per step; returns rid -> output tokens."""
     clock = [0.0]
-    eng = LLMEngine(model, policy, seat_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile)
+    eng = LLMEngine(model, policy, seat_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile,
+                    graphs=graphs)
     if runner_cls is not None:
         eng.runner.__class__ = runner_cls
     reqs, step = {}, 0

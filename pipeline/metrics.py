@@ -1,7 +1,9 @@
 """Every summary figure, defined once. Engine replays and server runs both reach here with the same records.
 
 Per-request records: arrival, first_token, finish (s), token_times (s, one per output token), num_tokens, complete.
-Per-step records: duration (s), useful_rows, computed_rows, kind.
+Per-step records: duration (s), useful_rows, computed_rows, kind, num_prompt_tokens, cached_tokens (prefix-cache
+hits admitted), preempted, num_running, kv_tokens (tokens whose K/V are held) and kv_reserved_tokens (held or
+reserved: whole seats on the slot cache, whole blocks on the paged one).
 
 - TTFT  = first token time - arrival.
 - TPOT  = (last token time - first token time) / (tokens - 1): the first token excluded, as in vLLM.
@@ -11,6 +13,8 @@ Per-step records: duration (s), useful_rows, computed_rows, kind.
 - goodput = output tokens of requests that met both the TTFT and the TPOT limit / wall time (DistServe).
 - slot efficiency = useful rows / computed rows (a zombie row is computed, not useful).
 - live rows = useful rows per step, averaged over steps.
+- KV unused = 1 - (K/V tokens held) / (tokens reserved), summed over steps (seed 003 §7, measured).
+- recomputed tokens = prompt tokens computed - (prompt tokens - prefix-cache hits): the work preemption repeats.
 """
 import numpy as np
 import pandas as pd
@@ -58,6 +62,17 @@ def summarize(req: pd.DataFrame, steps: pd.DataFrame | None = None, ttft_limit: 
         out["live_rows"] = float(steps["useful_rows"].mean())
         out["max_step_s"] = float(steps["duration"].max())
         out["steps"] = int(len(steps))
+        if "cached_tokens" in steps:
+            out["prompt_tokens_computed"] = int(steps["num_prompt_tokens"].sum())
+            out["cached_tokens"] = int(steps["cached_tokens"].sum())
+            out["preemptions"] = int(steps["preempted"].sum())
+            # prompt tokens fed again after a preemption: computed beyond each prompt's own uncached tokens once
+            out["recomputed_tokens"] = out["prompt_tokens_computed"] - (int(df["prompt_tokens"].sum()) - out["cached_tokens"])
+        if "num_running" in steps:
+            out["peak_running"] = int(steps["num_running"].max())
+            out["kv_reserved_peak_tokens"] = int(steps["kv_reserved_tokens"].max())
+            out["kv_held_peak_tokens"] = int(steps["kv_tokens"].max())
+            out["kv_unused"] = 1 - float(steps["kv_tokens"].sum() / max(steps["kv_reserved_tokens"].sum(), 1))
     return out
 
 

@@ -69,6 +69,8 @@ def main():
     sim_path = RESULTS / "simulation.json"
     if sim_path.exists():
         simulation_plots(json.loads(sim_path.read_text()))
+    if len(engine):
+        kv_plots(engine)
     stall = engine[engine["table"] == "prefill_stall"] if len(engine) else engine
     if len(stall):
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -81,6 +83,38 @@ def main():
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(PLOTS / "prefill_stall.png", dpi=120)
+        plt.close(fig)
+
+
+def kv_plots(engine: pd.DataFrame):
+    """kv_memory: TTFT p99 and peak running requests against load, slot against paged; shared_prefix: TTFT p50
+    against the shared prefix's length, with and without the prefix cache."""
+    kv = engine[engine["table"] == "kv_memory"]
+    if len(kv):
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+        for name, g in kv.groupby("kv", sort=False):
+            a.plot(g["load_multiple"], g["ttft_p99_s"], marker="o", label=name)
+            b.plot(g["load_multiple"], g["peak_running"], marker="o", label=name)
+        a.set_xlabel("load (x capacity)"), a.set_ylabel("TTFT p99, s"), a.set_yscale("log")
+        b.set_xlabel("load (x capacity)"), b.set_ylabel("peak running requests")
+        a.legend(fontsize=7)
+        fig.suptitle("One KV memory budget: slot seats against paged blocks (measured)", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(PLOTS / "kv_memory.png", dpi=110)
+        plt.close(fig)
+    sp = engine[engine["table"] == "shared_prefix"]
+    if len(sp):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for (cached, n), g in sp.groupby(["prefix_caching", "requests"], sort=False):
+            g = g.sort_values("shared_prefix_tokens")
+            ax.plot(g["shared_prefix_tokens"], g["ttft_p50_s"], marker="o",
+                    label=f"{'prefix cache' if cached else 'no cache'}, {n} requests")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("shared prefix, tokens"), ax.set_ylabel("TTFT p50, s")
+        ax.set_title("Prefix caching: TTFT against the shared prefix (measured)", fontsize=10)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(PLOTS / "shared_prefix.png", dpi=110)
         plt.close(fig)
 
 

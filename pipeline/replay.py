@@ -1,5 +1,6 @@
 """Replay a saved workload through the engine on the wall clock: arrivals at their absolute times, every token timed;
 one run's summary row, and a table of runs saved in the results format (used by bench_engine and sweeps)."""
+import hashlib
 import time
 
 import pandas as pd
@@ -9,7 +10,7 @@ from engine import LLMEngine, SamplingParams
 from engine.loader import eos_ids
 from pipeline.io import write_json, write_parquet
 from pipeline.metrics import slo_limits, summarize
-from pipeline.workloads import predicted_static_efficiency
+from pipeline.workloads import expected_prefix_hits, predicted_static_efficiency
 
 
 def calibrate_step(model, seats: int, seat_tokens: int, prompt_len: int = 32, steps: int = 6, eos=()) -> float:
@@ -35,7 +36,7 @@ def replay(engine: LLMEngine, workload: pd.DataFrame, step_s: float, concurrency
     `wait_until(t)` waits until engine time t (default: sleep on the wall clock); a simulation jumps its clock.
     """
     wait_until = wait_until or (lambda t: time.sleep(max(0.0, t - engine.now())))
-    rows = workload.sort_values("arrival_steps").to_dict("records")
+    rows = workload.sort_values("arrival_steps", kind="stable").to_dict("records")
     if concurrency:
         for i, r in enumerate(rows):
             r["arrival_s"] = 0.0 if i < concurrency else None
@@ -85,9 +86,15 @@ def records(workload: pd.DataFrame, reqs: dict) -> pd.DataFrame:
                     "output_tokens": int(w.output_tokens), "arrival": r.arrival if r else None,
                     "admit": r.admit_time if r else None, "first_token": times[0] if times else None,
                     "finish": r.finish_time if r else None, "token_times": times, "num_tokens": len(times),
-                    "finish_reason": r.finish_reason if r else None,
+                    "finish_reason": r.finish_reason if r else None, "output": list(r.output) if r else [],
                     "complete": bool(r and r.finish_reason == "length" and len(times) == w.output_tokens)})
     return pd.DataFrame(out)
+
+
+def tokens_digest(req: pd.DataFrame) -> str:
+    """A digest of every request's output tokens (in request order): equal digests, equal tokens."""
+    text = ";".join(f"{rid}:{','.join(map(str, out))}" for rid, out in sorted(zip(req["rid"], req["output"])))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: dict[int, float]):
@@ -96,7 +103,9 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
     if ref not in steps_cache:
         steps_cache[ref] = calibrate_step(model, ref, int(cfg.seat_tokens), int(wl["prompt_tokens"].median()), eos=eos)
     step_s = steps_cache[ref]
-    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.seat_tokens), eos, seed=int(cfg.seed))
+    engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.seat_tokens), eos, seed=int(cfg.seed),
+                       kv=OmegaConf.to_container(cfg.kv), compile=bool(cfg.precision.compile),
+                       graphs=bool(cfg.precision.graphs))
     conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
     req, st, _ = replay(engine, wl, step_s, conc)
     ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
@@ -112,6 +121,15 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
     for knob in ("max_wait_ms", "token_budget", "max_batch", "max_seats"):
         if knob in cfg.policy:
             row[knob] = float(cfg.policy[knob])
+    blocks = engine.scheduler.blocks
+    row.update({"kv": cfg.kv.name, "concurrency": conc, "shared_prefix_tokens": int(cfg.workload.get("shared_prefix_tokens", 0)),
+                "tokens_digest": tokens_digest(req)})
+    if blocks is not None:
+        row.update({"block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
+                    "prefix_caching": blocks.prefix_caching})
+        if blocks.prefix_caching and conc:  # closed loop: arrival order is the workload's order
+            prompts = [list(p) for p in wl.sort_values("arrival_steps", kind="stable")["prompt"]]
+            row["expected_cached_tokens"] = expected_prefix_hits(prompts, conc, blocks.block_size)
     print(f"{table} | {name}: {row['throughput_tps']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']:.3f} s, "
           f"{row['complete']}/{row['requests']} complete", flush=True)
     return row, req.assign(point=name), st.assign(point=name)

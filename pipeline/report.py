@@ -63,14 +63,15 @@ def engine_speed_section(rows: list[dict]) -> tuple[str, dict]:
     body = tables.markdown(
         ["B", "prompt tokens", "new tokens", "engine tok/s", "HF tok/s", "ratio", "engine prefill, s",
          "HF prefill, s", "engine decode tok/s", "HF decode tok/s", "decode ratio", "engine weights, MB",
-         "KV cache, MB", "peak, MB", "compiled"],
+         "KV cache, MB", "peak, MB", "compiled", "paged decode tok/s", "paged/slot decode"],
         [[r["batch"], r["prompt_tokens"], r["new_tokens"], tables.fmt(r["engine_tps"], 1), tables.fmt(r["hf_tps"], 1),
           tables.fmt(r["ratio"]), tables.fmt(r["engine_prefill_s"]), tables.fmt(r["hf_prefill_s"]),
           tables.fmt(r["engine_decode_tps"], 1), tables.fmt(r["hf_decode_tps"], 1), tables.fmt(r["decode_ratio"]),
           tables.fmt(r["engine_weight_bytes"] / 1e6, 0), tables.fmt(r["kv_cache_bytes"] / 1e6, 0),
-          tables.fmt(r["engine_peak_mb"], 0), "yes" if r.get("compile") else "no"] for r in rows])
+          tables.fmt(r["engine_peak_mb"], 0), "yes" if r.get("compile") else "no",
+          tables.fmt(r.get("paged_decode_tps"), 1), tables.fmt(r.get("paged_decode_ratio"))] for r in rows])
     metrics = {f"engine_speed.b{r['batch']}_p{r['prompt_tokens']}.{k}": round(r[k], 3) for r in rows
-               for k in ("engine_tps", "hf_tps", "ratio", "decode_ratio")}
+               for k in ("engine_tps", "hf_tps", "ratio", "decode_ratio", "paged_decode_ratio") if k in r}
     return body, metrics
 
 
@@ -160,6 +161,15 @@ def main(cfg):
                          "Same arrivals for every policy. `bucketed` is an oracle: it reads each request's true "
                          "output length."),
         "prefill_stall": ("Prefill stalls decode (seed 003 §5)", "15% long prompts."),
+        "kv_memory": ("One KV memory budget: slot seats against a paged pool (seed 003 §7, measured)",
+                      "The slot cache reserves 8 worst-case seats; the paged pool holds the same bytes in blocks "
+                      "taken as tokens arrive, with up to 64 requests running and recompute preemption."),
+        "shared_prefix": ("Prefix caching: requests sharing a system preamble",
+                          "Closed loop, 4 in flight, paged KV with and without prefix caching; the expectation is "
+                          "computed from the prompts (the first 4 are admitted together and find nothing)."),
+        "preemption": ("Recompute preemption: a pool smaller than the work in flight",
+                       "16 requests in flight (closed loop) on a 48-block pool against the slot cache's size; a "
+                       "preempted request gives back its blocks and later recomputes prompt + produced tokens."),
         "main": ("The configured run", "`policy`, `workload` and `load` as composed in params.yaml."),
     }
     for name, rows in results.items():

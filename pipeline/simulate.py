@@ -29,9 +29,10 @@ METRICS = ["throughput_tps", "ttft_p50_s", "tpot_p50_s"]
 
 
 def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: float, seat_tokens: int,
-             ttft_limit: float, tpot_limit: float, concurrency=None) -> dict:
+             ttft_limit: float, tpot_limit: float, concurrency=None, kv="slot") -> dict:
+    """kv: a conf/kv entry; a paged pool in simulation is sized by kv.num_blocks (or the slot cache's size)."""
     clock = VirtualClock()
-    eng = LLMEngine(None, policy, seat_tokens, runner=SimRunner(cost, clock), clock=clock)
+    eng = LLMEngine(None, policy, seat_tokens, runner=SimRunner(cost, clock), clock=clock, kv=kv)
     req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6,
                            wait_until=lambda t: clock.advance_to(eng.t0 + t))
     return summarize(req, steps, ttft_limit, tpot_limit)
@@ -52,7 +53,7 @@ def validate(cost: CostModel, base) -> tuple[list[dict], dict]:
                                real["point"] not in ("main", "default") else None)
             wl = workloads[workloads["point"] == real["point"]]
             sim = simulate(cost, OmegaConf.to_container(cfg.policy), wl, real["step_s"], int(cfg.seat_tokens),
-                           real["ttft_limit_s"], real["tpot_limit_s"])
+                           real["ttft_limit_s"], real["tpot_limit_s"], kv=OmegaConf.to_container(cfg.kv))
             rows.append({"table": table, "point": real["point"], "policy": real["policy"],
                          **{f"real_{m}": real[m] for m in METRICS}, **{f"sim_{m}": sim[m] for m in METRICS}})
     df = pd.DataFrame(rows)
@@ -76,7 +77,7 @@ def sweep(cost: CostModel, base, step_s: float, axis: str, values, policies, see
                 wl = build(cfg, None, 50000)
                 ttft, tpot = slo_limits(cfg.slo, step_s)
                 runs.append(simulate(cost, OmegaConf.to_container(cfg.policy), wl, step_s, int(cfg.seat_tokens),
-                                     ttft, tpot))
+                                     ttft, tpot, kv=OmegaConf.to_container(cfg.kv)))
             med = {k: float(np.median([r[k] for r in runs])) for k in
                    ("throughput_tps", "goodput_tps", "ttft_p99_s", "ttft_p50_s", "tpot_p50_s", "slot_efficiency")}
             reserved = int(wl["prompt_tokens"].max() + wl["output_tokens"].max())  # worst case a seat must hold

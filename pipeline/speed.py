@@ -2,7 +2,7 @@
 
 Each case: B prompts arriving at once, exactly `new_tokens` new tokens each (EOS ignored / suppressed).
 Hugging Face runs a left-padded batch; the engine runs continuous batching with B seats (its decode steps compiled
-when `compile` is set). Best of `repeats`; prefill timed apart (HF: a 1-token generate; engine: its first,
+when `compile` is set), on the slot cache and again on a paged pool of the same size. Best of `repeats`; prefill timed apart (HF: a 1-token generate; engine: its first,
 all-prompt step).
 """
 import time
@@ -24,10 +24,13 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -
     return time.perf_counter() - t
 
 
-def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False) -> dict:
-    """One engine run of B requests arriving together; total and first-step (prefill) seconds, cache size."""
+def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False, kv: str = "slot",
+               graphs: bool = False) -> dict:
+    """One engine run of B requests arriving together; total and first-step (prefill) seconds, cache size. kv: the
+    cache (a paged pool gets the slot cache's size: memory is plentiful)."""
     seat_tokens = max(map(len, prompts)) + new_tokens
-    eng = LLMEngine(model, {"name": "continuous", "max_seats": len(prompts)}, seat_tokens, eos, compile=compile)
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": len(prompts)}, seat_tokens, eos, compile=compile, kv=kv,
+                    graphs=graphs)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     device = eng.runner.device
     if device.type == "cuda":
@@ -47,12 +50,14 @@ def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False) -> d
             "seat_tokens": seat_tokens}
 
 
-def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compile: bool = False) -> dict:
+def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compile: bool = False,
+             graphs: bool = False) -> dict:
     B, n = int(case["batch"]), int(case["new_tokens"])
     prompts = prompts_for(case["prompt"], B, tokenizer, model.config.vocab_size)
     reps = int(case.get("repeats", repeats))
-    eng = [engine_run(model, prompts, n, eos, compile) for _ in range(reps)]
+    eng = [engine_run(model, prompts, n, eos, compile, graphs=graphs) for _ in range(reps)]
     best = min(eng, key=lambda r: r["total"])
+    paged = min((engine_run(model, prompts, n, eos, compile, "paged") for _ in range(reps)), key=lambda r: r["total"])
     hf_total = min(hf_generate(model, prompts, n, pad_id) for _ in range(reps))
     hf_prefill = min(hf_generate(model, prompts, 1, pad_id) for _ in range(reps))
     tokens = B * n
@@ -60,10 +65,12 @@ def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compi
            "engine_tps": tokens / best["total"], "hf_tps": tokens / hf_total,
            "engine_prefill_s": best["prefill"], "hf_prefill_s": hf_prefill,
            "engine_decode_tps": B * (n - 1) / (best["total"] - best["prefill"]),
+           "paged_decode_tps": B * (n - 1) / (paged["total"] - paged["prefill"]),  # the same engine on paged KV
            "hf_decode_tps": B * (n - 1) / (hf_total - hf_prefill),
            "engine_peak_mb": max(r["peak_mb"] for r in eng),  # host RSS of the process on a CPU, device on a GPU
            "engine_weight_bytes": best["weights"], "kv_cache_bytes": best["kv"],
            "kv_bytes_expected": B * best["seat_tokens"] * best["kv_per_token"], "compile": compile}
     row["ratio"] = row["engine_tps"] / row["hf_tps"]
     row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
+    row["paged_decode_ratio"] = row["paged_decode_tps"] / row["engine_decode_tps"]  # paged against slot
     return row

@@ -25,7 +25,20 @@ def run_key(row: dict) -> str:
         key = f"load{row['load_multiple']:g}.{key}"
     if row["table"] == "static_efficiency":
         key = f"sigma{row['sigma']:g}"
+    if row["table"] == "kv_memory":
+        key = f"load{row['load_multiple']:g}.{row['kv']}"
+    if row["table"] == "shared_prefix":
+        key = f"S{row['shared_prefix_tokens']}.N{row['requests']}.{'cached' if row['prefix_caching'] else 'uncached'}"
+    if row["table"] == "preemption":
+        key = f"blocks{row['num_blocks']}"
     return key
+
+
+def cache_name(r: dict) -> str:
+    """The KV cache of a run in words: slot seats, or a paged pool."""
+    if r["kv"] != "paged":
+        return f"slot, {int(r['max_seats'])} seats"
+    return f"paged, {r['num_blocks']} blocks of {r['block_size']}, up to {int(r['max_seats'])} running"
 
 
 def markdown(header: list[str], rows: list[list]) -> str:
@@ -142,8 +155,62 @@ def goodput_knees(sim: dict) -> str:
     return markdown(["policy", "load at peak goodput (x capacity)", "peak goodput, tok/s"], out) + "\n\nSimulated."
 
 
+def kv_memory(rows):
+    slot = {r["load_multiple"]: r for r in rows if r["kv"] == "slot"}
+    body = [[fmt(r["load_multiple"], 1), cache_name(r), r["peak_running"], fmt(r["throughput_tps"], 1),
+             fmt(r["goodput_tps"], 1), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]), r["preemptions"],
+             r["kv_reserved_peak_tokens"], r["kv_held_peak_tokens"], f"{r['kv_unused']:.0%}",
+             "yes" if r["tokens_digest"] == slot[r["load_multiple"]]["tokens_digest"] else "no",
+             f"{r['complete']}/{r['requests']}"] for r in rows]
+    md = markdown(["load (x capacity)", "KV cache", "peak running", "throughput, tok/s", "goodput, tok/s",
+                   "TTFT p50, s", "TTFT p99, s", "preemptions", "KV reserved at peak, tokens", "KV held at peak, tokens",
+                   "KV reserved but unused", "tokens equal to slot", "complete"], body)
+    ratios = []
+    for r in rows:
+        s = slot[r["load_multiple"]]
+        if r["kv"] == "paged":
+            ratios.append([fmt(r["load_multiple"], 1), fmt(r["peak_running"] / s["peak_running"], 2),
+                           fmt(r["ttft_p99_s"] / s["ttft_p99_s"], 2), fmt(r["throughput_tps"] / s["throughput_tps"], 2)])
+    md += "\n\nPaged against slot at the same load:\n\n" + markdown(
+        ["load (x capacity)", "peak running, ratio", "TTFT p99, ratio", "throughput, ratio"], ratios)
+    return md + "\n\nAll measured; KV unused is summed over steps.", metrics_of(
+        rows, ["peak_running", "throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s", "preemptions", "kv_unused"])
+
+
+def shared_prefix(rows):
+    uncached = {(r["shared_prefix_tokens"], r["requests"]): r for r in rows if not r["prefix_caching"]}
+    body = []
+    for r in rows:
+        base = uncached[r["shared_prefix_tokens"], r["requests"]]
+        body.append([r["shared_prefix_tokens"], r["requests"], "on" if r["prefix_caching"] else "off",
+                     r["cached_tokens"], r.get("expected_cached_tokens", 0), r["prompt_tokens_computed"],
+                     base["prompt_tokens_computed"] - r["prompt_tokens_computed"], fmt(r["ttft_p50_s"]),
+                     fmt(r["ttft_p99_s"]), fmt(r["ttft_p50_s"] / base["ttft_p50_s"], 2), fmt(r["throughput_tps"], 1),
+                     "yes" if r["tokens_digest"] == base["tokens_digest"] else "no"])
+    md = markdown(["shared prefix, tokens", "requests", "prefix cache", "hit tokens", "expected hit tokens (computed)",
+                   "prompt tokens computed", "computed tokens saved", "TTFT p50, s", "TTFT p99, s",
+                   "TTFT p50, ratio to uncached", "throughput, tok/s", "tokens equal to uncached"], body)
+    return md + "\n\nAll measured except the expectation.", metrics_of(
+        rows, ["cached_tokens", "expected_cached_tokens", "prompt_tokens_computed", "ttft_p50_s", "ttft_p99_s",
+               "throughput_tps"])
+
+
+def preemption(rows):
+    big = max(rows, key=lambda r: r["num_blocks"])
+    body = [[cache_name(r), r["preemptions"], r["recomputed_tokens"], f"{r['complete']}/{r['requests']}",
+             fmt(r["throughput_tps"], 1), fmt(r["throughput_tps"] / big["throughput_tps"], 2), fmt(r["ttft_p50_s"]),
+             fmt(r["ttft_p99_s"]), fmt(r["max_gap_p99_s"]),
+             "yes" if r["tokens_digest"] == big["tokens_digest"] else "no"] for r in rows]
+    md = markdown(["KV cache", "preemptions", "recomputed tokens", "complete", "throughput, tok/s",
+                   "throughput, ratio to the largest pool", "TTFT p50, s", "TTFT p99, s", "max gap p99, s",
+                   "tokens equal to the largest pool"], body)
+    return md + "\n\nAll measured.", metrics_of(
+        rows, ["preemptions", "recomputed_tokens", "throughput_tps", "ttft_p50_s", "ttft_p99_s", "max_gap_p99_s"])
+
+
 TABLES = {"static_efficiency": static_efficiency, "dynamic_timeouts": dynamic_timeouts,
-          "prefill_stall": prefill_stall, "all_policies": all_policies, "main": all_policies}
+          "prefill_stall": prefill_stall, "all_policies": all_policies, "main": all_policies, "kv_memory": kv_memory,
+          "shared_prefix": shared_prefix, "preemption": preemption}
 
 
 def sweep(rows):

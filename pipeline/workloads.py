@@ -56,9 +56,32 @@ def build(cfg, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:
                          int(cfg.seed)) if is_long.any() else []
     it = iter(long_)
     prompts = [next(it) if is_long[i] else short[order[i]] for i in range(n)]
+    shared = int(w.get("shared_prefix_tokens", 0))  # tokens of one system preamble that every prompt starts with
+    if shared:  # the prompts' own common start (a chat template's header) dropped: they differ right after it
+        prefix = long_prompts(1, shared, tokenizer, vocab_size, int(cfg.seed) + 1)[0]
+        own = common_prefix(prompts) if n > 1 else 0
+        prompts = [prefix + p[own:] for p in prompts]
     return pd.DataFrame({"rid": [f"r{i:04d}" for i in range(n)], "is_long": is_long, "prompt": prompts,
                          "prompt_tokens": [len(p) for p in prompts], "output_tokens": out,
                          "arrival_steps": arrivals})
+
+
+def common_prefix(seqs) -> int:
+    """Length of the longest start that all the sequences share."""
+    first = seqs[0]
+    n = min(map(len, seqs))
+    return next((i for i in range(n) if any(s[i] != first[i] for s in seqs)), n)
+
+
+def expected_prefix_hits(prompts, first_wave: int, block_size: int) -> int:
+    """Prefix-cache hit tokens expected from the prompts alone, in arrival order: the first `first_wave` are admitted
+    together and find nothing; each later one reuses the whole blocks of its longest common start with any earlier
+    prompt, at most its length - 1 tokens."""
+    hits = 0
+    for j in range(first_wave, len(prompts)):
+        best = max(common_prefix([prompts[i], prompts[j]]) for i in range(j))
+        hits += min(best, len(prompts[j]) - 1) // block_size * block_size
+    return hits
 
 
 def predicted_static_efficiency(lengths, batch: int) -> float:

@@ -29,7 +29,8 @@ def build(cfg):
     srv = cfg.server
     if srv.name == "engine":
         engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.seat_tokens), eos_ids(model),
-                           seed=int(cfg.seed))
+                           seed=int(cfg.seed), kv=OmegaConf.to_container(cfg.kv), compile=bool(cfg.precision.compile),
+                           graphs=bool(cfg.precision.graphs))
         worker = EngineWorker(engine, int(srv.max_waiting))
     else:
         worker = GenerateWorker(model, eos_ids(model), int(srv.seat_tokens), int(srv.max_batch), float(srv.max_wait_ms),

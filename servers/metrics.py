@@ -16,8 +16,14 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=self.registry)
         self.running = Gauge("vllm:num_requests_running", "Requests holding a seat.", labels, registry=self.registry)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for a seat.", labels, registry=self.registry)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV seats in use (0-1).", labels,
-                              registry=self.registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1): blocks on a "
+                              "paged cache, seats on the slot cache.", labels, registry=self.registry)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Tokens of admitted sequences looked up in the "
+                                      "prefix cache.", labels, registry=self.registry)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Of those, tokens found cached (not computed).", labels,
+                                   registry=self.registry)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).",
+                                   labels, registry=self.registry)
         self.step_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per engine step.", labels,
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
                                      registry=self.registry)
@@ -34,4 +40,10 @@ class ServerMetrics:
         self.generation_tokens.labels(**lab).inc(step["useful_rows"])
         self.running.labels(**lab).set(running)
         self.waiting.labels(**lab).set(waiting)
-        self.kv_usage.labels(**lab).set(running / max(num_seats, 1))
+        if "blocks_used" in step:
+            self.kv_usage.labels(**lab).set(step["blocks_used"] / (step["blocks_used"] + step["blocks_free"]))
+            self.prefix_queries.labels(**lab).inc(step["queried_tokens"])
+            self.prefix_hits.labels(**lab).inc(step["cached_tokens"])
+            self.preemptions.labels(**lab).inc(step["preempted"])
+        else:
+            self.kv_usage.labels(**lab).set(running / max(num_seats, 1))

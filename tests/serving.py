@@ -36,12 +36,13 @@ class Server:
     """The app on a real loopback port in a thread, for real HTTP clients. policy: an engine policy, or
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
-    def __init__(self, model, tok, policy, api_key=None, max_waiting=64, seat_tokens=512, max_queue_wait_s=10.0):
+    def __init__(self, model, tok, policy, api_key=None, max_waiting=64, seat_tokens=512, max_queue_wait_s=10.0,
+                 kv="slot"):
         if policy["name"] == "generate":
             self.worker = GenerateWorker(model, eos_ids(model), seat_tokens, policy["max_batch"], policy["max_wait_ms"],
                                          max_waiting)
         else:
-            self.engine = LLMEngine(model, policy, seat_tokens, eos_ids(model))
+            self.engine = LLMEngine(model, policy, seat_tokens, eos_ids(model), kv=kv)
             self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
         self.port = free_port()

@@ -173,6 +173,18 @@ def test_compiled_decode_steps_match_generate(references):
     assert [one["0"], one["1"]] == ref[:2], name
 
 
+@pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 5}, {"name": "mixed", "max_seats": 5},
+                                    {"name": "dynamic", "max_seats": 5, "max_batch": 5, "max_wait_ms": 1500}],
+                         ids=lambda p: p["name"])
+def test_decode_steps_padded_for_graphs_match_generate(references, policy):
+    """graphs=True (the shapes CUDA graphs are captured for, run eagerly here): decode steps padded to a power of two
+    of seats (3 -> 4 of 5) and a multiple of 128 keys; padded rows write only their seat's last position, which
+    no request reaches; the tokens stay those of generate."""
+    name, model, prompts, ref = references
+    out = run_scenario(model, policy, prompts, LENS, ARRIVE, graphs=True)
+    assert [out[str(i)] for i in range(6)] == ref, name
+
+
 def test_left_padding_costs_tokens_not_correctness(references):
     """pad_prompts: the batch's prompts padded to its longest, computed and discarded; the answers do not change."""
     name, model, prompts, ref = references

@@ -28,7 +28,7 @@ def test_write_lands_in_place():
 def test_cat_cache_grows_and_gives_the_same_tokens(tiny_llama):
     prompts, p = [[5] * 10, [6] * 17], SamplingParams(max_new_tokens=20, ignore_eos=True)
     slot = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, 64).generate(prompts, p)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, 64, cache="cat")
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, 64, kv="cat")
     assert isinstance(eng.runner.cache, CatCache) and eng.runner.cache.nbytes == 0
     assert eng.generate(prompts, p) == slot
     assert eng.runner.cache.copied_bytes > 0 and eng.runner.cache.k[0].shape[2] == 17 + 20 - 1  # the last token is never fed back

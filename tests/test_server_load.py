@@ -220,6 +220,22 @@ def test_generate_failure_mid_request_answers_every_client(chat_model, backend):
         assert h.status_code == 503 and "simulated generate fault" in h.json()["error"]
 
 
+def test_paged_server_exports_blocks_and_prefix_hits(chat_model):
+    """On paged KV, /metrics counts prefix-cache queries and hits in tokens (vLLM's names) and KV usage in blocks:
+    the same prompt twice, in turn; the second finds every full block of the first but the one holding its last
+    token, and computes only the rest."""
+    kv = {"name": "paged", "block_size": 4, "num_blocks": 64}
+    with Server(*chat_model, {"name": "continuous", "max_seats": 2}, kv=kv) as s:
+        msgs = [{"role": "user", "content": "tell me about the sea " * 6}]
+        p = [client(s).chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=3).usage.prompt_tokens
+             for _ in range(2)][0]
+        hits = metric(s.url, "vllm:prefix_cache_hits_total")
+        assert hits == (p - 1) // 4 * 4 and metric(s.url, "vllm:prefix_cache_queries_total") == 2 * p
+        assert metric(s.url, "vllm:prompt_tokens_total") == 2 * p - hits
+        assert metric(s.url, "vllm:num_preemptions_total") == 0
+        assert 0 < metric(s.url, "vllm:kv_cache_usage_perc") <= 1
+
+
 def test_metrics_count_what_was_served(server):
     """Sample values after one known request: tokens generated equal the tokens asked, one TTFT observation,
     three gaps, one success by length, the prompt counted, no seat in use after it."""
