@@ -57,8 +57,8 @@ class BlockManager:
     @classmethod
     def sized(cls, kv: dict, num_seats: int, seat_tokens: int, kv_bytes_per_token: int | None) -> "BlockManager":
         """The pool a paged conf/kv entry asks for: num_blocks; else memory_mb (MiB) / (block_size x the model's
-        KV bytes per token); else the slot cache's size (num_seats x seat_tokens). Admission keeps the watermark
-        fraction of the blocks free, at least one."""
+        KV bytes per token); else the slot cache's size (num_seats x seat_tokens) plus the watermark. Admission
+        keeps the watermark fraction of the blocks free, at least one."""
         bs = int(kv["block_size"])
         if kv["num_blocks"] is not None:
             n = int(kv["num_blocks"])
@@ -67,8 +67,9 @@ class BlockManager:
                 raise ValueError("kv.memory_mb needs the model's KV bytes per token; without a model (a simulation) "
                                  "give kv.num_blocks")
             n = int(kv["memory_mb"] * 2**20 // (bs * kv_bytes_per_token))
-        else:
+        else:  # every seat's worst case, and the watermark on top, so that all of them can be admitted
             n = num_seats * -(-seat_tokens // bs)
+            n += max(1, int(kv["watermark"] * n))
         return cls(n, bs, max(1, int(kv["watermark"] * n)), bool(kv["prefix_caching"]))
 
     @property

@@ -14,7 +14,8 @@ reserved: whole seats on the slot cache, whole blocks on the paged one).
 - slot efficiency = useful rows / computed rows (a zombie row is computed, not useful).
 - live rows = useful rows per step, averaged over steps.
 - KV unused = 1 - (K/V tokens held) / (tokens reserved), summed over steps (seed 003 §7, measured).
-- recomputed tokens = prompt tokens computed - (prompt tokens - prefix-cache hits): the work preemption repeats.
+- recomputed tokens = prompt tokens computed - (prompt tokens - prefix-cache hits): the work preemption repeats
+  (exact without prefix caching; with it, a resumed request's re-found blocks count as recomputed).
 """
 import numpy as np
 import pandas as pd

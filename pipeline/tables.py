@@ -159,12 +159,12 @@ def kv_memory(rows):
     slot = {r["load_multiple"]: r for r in rows if r["kv"] == "slot"}
     body = [[fmt(r["load_multiple"], 1), cache_name(r), r["peak_running"], fmt(r["throughput_tps"], 1),
              fmt(r["goodput_tps"], 1), fmt(r["ttft_p50_s"]), fmt(r["ttft_p99_s"]), r["preemptions"],
-             r["kv_reserved_peak_tokens"], r["kv_held_peak_tokens"], f"{r['kv_unused']:.0%}",
+             r["kv_reserved_peak_tokens"], r["kv_held_peak_tokens"], fmt(1 - r["kv_unused"]),
              "yes" if r["tokens_digest"] == slot[r["load_multiple"]]["tokens_digest"] else "no",
              f"{r['complete']}/{r['requests']}"] for r in rows]
     md = markdown(["load (x capacity)", "KV cache", "peak running", "throughput, tok/s", "goodput, tok/s",
                    "TTFT p50, s", "TTFT p99, s", "preemptions", "KV reserved at peak, tokens", "KV held at peak, tokens",
-                   "KV reserved but unused", "tokens equal to slot", "complete"], body)
+                   "tokens held per token reserved", "tokens equal to slot", "complete"], body)
     ratios = []
     for r in rows:
         s = slot[r["load_multiple"]]
@@ -173,7 +173,9 @@ def kv_memory(rows):
                            fmt(r["ttft_p99_s"] / s["ttft_p99_s"], 2), fmt(r["throughput_tps"] / s["throughput_tps"], 2)])
     md += "\n\nPaged against slot at the same load:\n\n" + markdown(
         ["load (x capacity)", "peak running, ratio", "TTFT p99, ratio", "throughput, ratio"], ratios)
-    return md + "\n\nAll measured; KV unused is summed over steps.", metrics_of(
+    return md + ("\n\nAll measured. Tokens held per token reserved: the requests' K/V tokens over the memory "
+                 "reserved for them, summed over steps (1 - that is the reserved KV that sits unused); above 1 on "
+                 "the paged pool, where requests sharing a prompt's start hold one copy of its blocks."), metrics_of(
         rows, ["peak_running", "throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s", "preemptions", "kv_unused"])
 
 

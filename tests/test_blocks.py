@@ -278,7 +278,7 @@ def test_kv_settings_fail_clearly():
         sim_engine({"name": "continuous", "max_seats": 4}, {"name": "paged", "memory_mb": 1})
     assert kv_config("paged")["prefix_caching"] is True
     eng = sim_engine({"name": "continuous", "max_seats": 4}, "paged", seat_tokens=100)
-    assert eng.scheduler.blocks.num_blocks == 4 * 7  # the slot cache's size: 4 seats x 100 tokens, in blocks of 16
+    assert eng.scheduler.blocks.num_blocks == 4 * 7 + 1  # 4 seats x 100 tokens in blocks of 16, + the watermark
 
 
 @pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 8}, {"name": "mixed", "max_seats": 8},

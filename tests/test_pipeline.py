@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this long for nothing
 REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
            "hardware.json", "machine.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
-           "plots/prefill_stall.png"]
+           "plots/prefill_stall.png", "plots/kv_memory.png", "plots/shared_prefix.png"]
 MEASURED = ["probe_hardware", "check_equivalence", "engine_speed", "bench_engine@main", "bench_engine@all_policies",
             "bench_cache", "bench_server"]  # stages that measure: each depends on reports/machine.json
 
@@ -59,6 +59,13 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     assert tput and min(tput.values()) > 0, tput
     assert metrics["all_policies.continuous.throughput_tps"] > metrics["all_policies.static.throughput_tps"]
     assert metrics["all_policies.continuous.ttft_p99_s"] < metrics["all_policies.static.ttft_p99_s"]
+    for n in (8, 24):  # prefix caching: hits exactly as computed from the prompts; none without it
+        assert metrics[f"shared_prefix.S1024.N{n}.cached.cached_tokens"] == \
+            metrics[f"shared_prefix.S1024.N{n}.cached.expected_cached_tokens"] > 0
+        assert f"shared_prefix.S1024.N{n}.uncached.cached_tokens" not in metrics or \
+            metrics[f"shared_prefix.S1024.N{n}.uncached.cached_tokens"] == 0
+    preempted = {k: v for k, v in metrics.items() if k.startswith("preemption.") and k.endswith(".preemptions")}
+    assert preempted["preemption.blocks48.preemptions"] > 0 == min(preempted.values()), preempted  # the big pool: none
     machine = json.loads((repo / "reports" / "machine.json").read_text())
     assert machine["label"] in (repo / "reports" / "REPORT.md").read_text()
     assert machine["label"] in (repo / "reports" / "HARDWARE.md").read_text()

@@ -50,3 +50,37 @@ def test_report_of_one_machine_names_it(repo):
     report.main(compose_config([]))
     text = (root / "reports" / "REPORT.md").read_text()
     assert here["label"] in text and "another machine" not in text and "| continuous | 6/6 |" in text
+
+
+def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path, monkeypatch):
+    """machine_reports (make gpu-check): the newest experiment of that name has its reports copied under
+    reports/machines/<its fingerprint id>/; the main reports stay as they are."""
+    import subprocess
+
+    from pipeline import machine_reports
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=lab", "-c", "user.email=lab@localhost", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+
+    reports = tmp_path / "reports"
+    (reports / "plots").mkdir(parents=True)
+    git("init", "-q")
+    (reports / "machine.json").write_text(json.dumps({"id": "cpu0", "label": "a CPU"}))
+    (reports / "REPORT.md").write_text("cpu report\n")
+    git("add", "-A")
+    git("commit", "-qm", "cpu")
+    (reports / "machine.json").write_text(json.dumps({"id": "gpu0", "label": "a GPU"}))
+    (reports / "REPORT.md").write_text("gpu report\n")
+    (reports / "plots" / "x.png").write_bytes(b"\x89PNG")
+    git("add", "-A")
+    git("commit", "-qm", "gpu")
+    git("update-ref", "refs/exps/ab/cdef/gpu-1", "HEAD")
+    git("reset", "-q", "--hard", "HEAD~1")
+    monkeypatch.setattr(machine_reports, "ROOT", tmp_path)
+    machine_reports.main("gpu-1")
+    kept = reports / "machines" / "gpu0"
+    assert (kept / "REPORT.md").read_text() == "gpu report\n" and (kept / "plots" / "x.png").read_bytes() == b"\x89PNG"
+    assert (reports / "REPORT.md").read_text() == "cpu report\n"
+    with pytest.raises(SystemExit, match="no DVC experiment named 'gpu-2'"):
+        machine_reports.main("gpu-2")
