@@ -76,35 +76,25 @@ class CatCache(SlotCache):
         self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
 
 
-class PagedCache:
-    """A pool of blocks of `block_size` positions; a request's K/V live in the blocks its table lists, in order."""
+class PagedCache(SlotCache):
+    """A pool of blocks of `block_size` positions; a request's K/V live in the blocks its table lists, in order.
+    Stored as a slot cache whose seats are blocks: [block, kv head, offset, dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)  # [block, kv head, offset, dim]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         self.block_size = block_size
-        self._heads = torch.arange(num_kv_heads, device=device)
         self._offsets = torch.arange(block_size, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def slots(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat row index [T * kv heads] of each (token, kv head) in a [block * head * offset, dim] view; blocks:
-        [T] the block holding each token's position."""
-        heads, bs = len(self._heads), self.block_size
-        return ((blocks[:, None] * heads + self._heads) * bs + (positions % bs)[:, None]).view(-1)
+        """Flat rows of each (token, kv head); blocks: [T] the block holding each token's position."""
+        return super().slots(blocks, positions % self.block_size)
 
     def keys(self, tables: torch.Tensor) -> torch.Tensor:
         """Flat rows [B, kv heads, nb * block_size] of the positions held by block tables [B, nb]."""
-        heads, bs = len(self._heads), self.block_size
-        rows = (tables[:, None, :, None] * heads + self._heads[None, :, None, None]) * bs + self._offsets
+        heads, bs = self._heads.shape[1], self.block_size
+        rows = (tables[:, None, :, None] * heads + self._heads.view(1, -1, 1, 1)) * bs + self._offsets
         return rows.view(tables.shape[0], heads, -1)
-
-    write = SlotCache.write
 
     def gather(self, layer: int, keys: torch.Tensor):
         """K, V [B, kv heads, L, dim] at the rows `keys` [B, kv heads, L] gives (a copy)."""
