@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test gpu-check
+.PHONY: setup repro test gpu-check peer
 
 setup: $(VENV)/.installed
 
@@ -27,3 +27,7 @@ gpu-check: setup
 	pytest -m gpu -rs
 	dvc exp run --temp -n $(GPU_EXP) -S profile=gpu -S model=llama-3.1-8b-shape -S precision=bf16
 	python -m pipeline.machine_reports $(GPU_EXP)
+
+# llama.cpp's server beside the engine server on the same model (builds llama-server from source once: minutes)
+peer: setup
+	python -m pipeline.peer

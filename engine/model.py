@@ -1,8 +1,8 @@
 """One forward pass over a flattened, ragged batch of tokens for Llama-family models (Llama, Mistral, Qwen2).
 
-The weights are copies of the Hugging Face model's, stored [in, out] (faster GEMMs on the CPU than [out, in]),
-with q/k/v and gate/up fused into one matrix each; on fp32 CPUs with MKL each is also packed once into MKL's GEMM
-layout, which saves the per-call repacking of the weight (10-27% faster products at 2-64 rows on AVX-512).
+The weights are copies of the Hugging Face model's with q/k/v and gate/up fused into one matrix each, held in the
+layouts of the products this machine runs fastest at each row count (engine/kernels.py: [in, out], [out, in], or
+MKL's packed GEMM layout on fp32 CPUs, which saves the per-call repacking of the weight), measured once per machine.
 The attention scale is folded into the q rows of the fused matrix when that is exact in any dtype (a power of two,
 as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) it is applied in the attention, as Hugging Face does.
 Attention softmax runs in fp32 whatever the weights' dtype; logits come out in fp32 for the sampler. Attention runs in two batched calls per layer, never a loop over sequences:
@@ -20,6 +20,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from engine import kernels
 
 SUPPORTED = ("llama", "mistral", "qwen2")
 ROW_BLOCK = 1024  # tokens per MLP block in long prefills: keeps the [rows, 2 x intermediate] activations in cache
@@ -40,30 +42,57 @@ def _packed_linear_shape(x, packed, w, bias):
 
 
 class Dense:
-    """y = x @ w (+ bias) (+ residual) for a weight w stored [in, out]."""
+    """y = x W^T (+ bias) (+ residual) for a weight W [out, in], through the product chosen for the step's row count
+    (engine/kernels.py: `kinds`, one candidate per row bucket); only the layouts those candidates read are held."""
 
-    def __init__(self, w_in_out: torch.Tensor, bias: torch.Tensor | None = None):
-        self.w, self.bias = w_in_out.contiguous(), bias
-        mkl = self.w.device.type == "cpu" and self.w.dtype == torch.float32 and torch.backends.mkl.is_available()
-        # packed once; the layout does not depend on the row count (64 is only a hint), so any row count may use it
-        self.w_out_in = self.w.t()  # a view: the shape MKL's packed product reads its sizes from
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(self.w_out_in, 64) if mkl else None
+    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
+        self.w_out_in, self.bias = w_out_in.contiguous(), bias  # [out, in]: what `linear` reads
+        self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
+        self.dtype, self.device = w_out_in.dtype, w_out_in.device
+        self.w = self.packed = None  # [in, out] for `in_out`; MKL's packed weight for `packed`
+        self.size = self.w_out_in  # a tensor of shape [out, in]: where MKL's packed product reads its sizes
+        self.kinds = kernels.default(self.device, self.dtype)
 
     @property
-    def shape(self) -> torch.Size:
-        return self.w.shape
+    def weight_bytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w_out_in, self.w, self.packed, self.bias) if t is not None]
+
+    def hold(self, kinds) -> None:
+        """Make the layouts the candidates `kinds` read and drop the others (the values come from an [out, in] or
+        [in, out] layout, so one of them must be held until the last call)."""
+        src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
+        if src is None and set(kinds) - {"packed"}:
+            raise RuntimeError("only MKL's packed layout is held: the weight's values cannot be read back")
+        if "in_out" in kinds and self.w is None:
+            self.w = src.t().contiguous()
+        if "packed" in kinds and self.packed is None:  # the layout does not depend on the row count (64: a hint)
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(src, 64)
+        if "linear" in kinds and self.w_out_in is None:
+            self.w_out_in = src.contiguous()
+        self.w = self.w if "in_out" in kinds else None
+        self.packed = self.packed if "packed" in kinds else None
+        self.w_out_in = self.w_out_in if "linear" in kinds else None
+        self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual: [rows, out], added to the product (inside it where there is no bias and one row)."""
-        if self.packed is not None and x.shape[0] > 1:  # one row: MKL's matrix-vector path is faster unpacked
+        """residual: [rows, out], added to the product (inside it where the product allows)."""
+        return self.product(self.kinds[kernels.bucket(x.shape[0])], x, residual)
+
+    def product(self, kind: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if kind == "packed":
             if torch.compiler.is_compiling():  # eager calls skip the operator's Python body: 1-2% of a B=64 step
-                y = torch.ops.flat.packed_linear(x, self.packed, self.w_out_in, self.bias)
+                y = torch.ops.flat.packed_linear(x, self.packed, self.size, self.bias)
             else:
-                y = torch.ops.mkl._mkl_linear(x, self.packed, self.w_out_in, self.bias, x.shape[0])
-        elif self.bias is None:
-            return x @ self.w if residual is None else torch.addmm(residual, x, self.w)
-        else:
-            y = torch.addmm(self.bias, x, self.w)
+                y = torch.ops.mkl._mkl_linear(x, self.packed, self.size, self.bias, x.shape[0])
+            return y if residual is None else y.add_(residual)
+        w = self.w if kind == "in_out" else self.w_out_in.t()
+        if self.bias is None:
+            return x @ w if residual is None else torch.addmm(residual, x, w)
+        y = torch.addmm(self.bias, x, w)
         return y if residual is None else y.add_(residual)
 
 
@@ -142,7 +171,7 @@ def _fused(projections, scales=None) -> "Dense":
     """One Dense for several nn.Linear side by side (output features concatenated), each scaled; a missing bias
     among biased ones counts as zeros."""
     scales = scales or [1.0] * len(projections)
-    w = torch.cat([p.weight if s == 1.0 else p.weight * s for p, s in zip(projections, scales)]).t()
+    w = torch.cat([p.weight if s == 1.0 else p.weight * s for p, s in zip(projections, scales)])
     if all(p.bias is None for p in projections):
         return Dense(w)
     return Dense(w, torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias * s
@@ -163,9 +192,11 @@ def _taken(*args, **kwargs):
 
 
 class FlatModel:
-    def __init__(self, hf_model, take: bool = False):
+    def __init__(self, hf_model, take: bool = False, kernel: str | None = None, remeasure: bool = False):
         """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
-        layout (the weights then exist once, and the peak is one copy plus one layer); it can no longer run."""
+        layout (the weights then exist once, and the peak is one copy plus one layer); it can no longer run.
+        kernel: one product for every matrix and row count (a kernels.candidates name); None: each shape's
+        measured choice (engine/kernels.py), `remeasure` measuring it again."""
         cfg = hf_model.config
         self.window = check_config(hf_model)  # tokens each query attends (itself included); None = all before it
         self.num_heads = cfg.num_attention_heads
@@ -184,7 +215,7 @@ class FlatModel:
         self.rotary = m.rotary_emb
         self.layers = []
         with torch.no_grad():
-            self.lm_head = Dense(hf_model.lm_head.weight.t())
+            self.lm_head = Dense(hf_model.lm_head.weight)
             if take and hf_model.lm_head.weight is not self.embed:
                 _release([hf_model.lm_head])
             for layer in m.layers:
@@ -202,11 +233,31 @@ class FlatModel:
         if take:
             hf_model.forward = _taken
         self._compiled = None  # _forward through torch.compile, made on first use
+        self.kernels = self._choose_kernels(kernel, remeasure)  # (in, out) -> {"choice": per bucket, "ms": timings}
+
+    def _choose_kernels(self, kernel: str | None, remeasure: bool) -> dict:
+        groups = {}
+        for d in [self.lm_head, *(d for layer in self.layers for d in (layer[1], layer[2], layer[4], layer[5]))]:
+            groups.setdefault(tuple(d.shape), []).append(d)
+        dev, dtype = self.embed.device, self.embed.dtype
+        if kernel is not None:
+            if kernel not in kernels.candidates(dev, dtype):
+                raise ValueError(f"kernel {kernel!r} does not run here; choose from {kernels.candidates(dev, dtype)}")
+            chosen = {shape: {"choice": [kernel] * len(kernels.BUCKETS), "ms": None} for shape in groups}
+        else:
+            with torch.no_grad():
+                chosen = kernels.choose(groups, dev, dtype, remeasure)
+        for shape, mats in groups.items():
+            for d in mats:
+                d.kinds = list(chosen[shape]["choice"])
+                d.hold(d.kinds)
+        return chosen
 
     @classmethod
     def of(cls, hf_model, take: bool = False) -> "FlatModel":
-        """The engine's weights for a model: built and packed once per model object (about 1 s here), copied from
-        it, or taken from it (`take`, see __init__); a FlatModel is returned as it is."""
+        """The engine's weights for a model: built once per model object (about 1 s here, plus the kernel
+        measurement the first time on a machine), copied from it, or taken from it (`take`, see __init__); a
+        FlatModel is returned as it is."""
         if isinstance(hf_model, FlatModel):
             return hf_model
         if hf_model not in _BUILT:
@@ -216,10 +267,10 @@ class FlatModel:
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor the engine holds for the weights (shared ones once; packed copies included)."""
-        tensors = [self.embed, self.norm, *(t for d in [self.lm_head] for t in (d.w, d.bias, d.packed))]
+        tensors = [self.embed, self.norm, *self.lm_head.tensors]  # a tied head's [out, in] weight is the embedding
         for ln1, *dense in ((l[0], l[1], l[2], l[4], l[5]) for l in self.layers):
             tensors.append(ln1)
-            tensors += [t for d in dense for t in (d.w, d.bias, d.packed)]
+            tensors += [t for d in dense for t in d.tensors]
         tensors += [l[3] for l in self.layers]
         seen = {}
         for t in tensors:

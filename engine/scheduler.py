@@ -66,10 +66,14 @@ class SchedulerOutput:
 
     @property
     def decode_attention(self) -> int:
-        """Query-key pairs per head of the decode attention as computed: one query per seat of the seats up to the
-        highest decoding one, against the longest decoding context (a padded [seats, keys] view of the cache)."""
+        """Query-key pairs per head of the decode attention as computed, against the longest decoding context: on
+        slots one query per seat up to the highest decoding one (a padded [seats, keys] view of the cache), on a
+        paged pool one per decode (its keys gathered through its block table, padded to the longest)."""
         dec = [c for c in self.chunks if len(c.tokens) == 1]
-        return (max(c.seat for c in dec) + 1) * max(c.start + 1 for c in dec) if dec else 0
+        if not dec:
+            return 0
+        rows = len(dec) if dec[0].blocks else max(c.seat for c in dec) + 1
+        return rows * max(c.start + 1 for c in dec)
 
     @property
     def prompt_attention(self) -> int:

@@ -3,20 +3,19 @@ model instead of running the model. One scheduler, two clocks.
 
 Cost model: step seconds = fixed + sum over FEATURES of coefficient x feature, the features being what the step
 computes (SchedulerOutput.features: rows through the layers, rows through the LM head and sampler, query-key pairs
-of the prompt attention as computed, whether the pass mixes prompts and decodes, and whether it carries more than
-one row: on a CPU one row takes the matrix-vector kernels, more rows the matrix-matrix ones, a jump in step time
-that no per-row cost describes). Every coefficient is >= 0.
+of the decode and of the prompt attention as computed (the decode keys weigh at long contexts, as in the
+shared-prefix table's 1,000-token decodes), whether the pass mixes prompts and decodes, and whether it carries more
+than one row: on a CPU one row takes the matrix-vector kernels, more rows the matrix-matrix ones, a jump in step
+time that no per-row cost describes). Every coefficient is >= 0.
 """
 from dataclasses import dataclass, field
 
 from engine.scheduler import SchedulerOutput
 
-# decode_attention (SchedulerOutput) is recorded but not charged: at these contexts (< 400 tokens) the per-step
-# records show no measurable cost of it on the CPU (8-row decode steps took 0.200-0.203 s median from 335 to 848
-# query-key pairs), and fitted it only absorbed noise and swapped TPOT ranks in validation
-FEATURES = ("num_prompt_tokens", "num_decode_rows", "num_sampled_rows", "prompt_attention", "is_mixed", "multi_row")
+FEATURES = ("num_prompt_tokens", "num_decode_rows", "num_sampled_rows", "decode_attention", "prompt_attention",
+            "is_mixed", "multi_row")
 UNITS = {"fixed": "s per step", "num_prompt_tokens": "s per prompt token", "num_decode_rows": "s per decode row",
-         "num_sampled_rows": "s per sampled row",
+         "num_sampled_rows": "s per sampled row", "decode_attention": "s per decode query-key pair",
          "prompt_attention": "s per prompt query-key pair", "is_mixed": "s per mixed step",
          "multi_row": "s per step of more than one row"}
 

@@ -1,5 +1,7 @@
 """Stage engine_speed: the engine against Hugging Face `generate` on the same model, dtype and requests, one process
-(pipeline.speed). One warm-up first, not reported. Writes reports/engine_speed.json: {"machine", "rows"}."""
+(pipeline.speed). One warm-up first, not reported. Each row's engine decode rate is also set against this machine's
+floor for that batch (reports/hardware.json: the model's matrix products alone, best kernels, when probed).
+Writes reports/engine_speed.json: {"machine", "rows"}."""
 import json
 
 import torch
@@ -24,9 +26,14 @@ def main(cfg) -> list[dict]:
     for prompts in (warm[:1], warm, [warm[0]] * 2) if compile else (warm,):
         engine_run(model, prompts, 8, eos, compile, graphs=graphs)
     hf_generate(model, warm, 8, pad_id)
+    hw = ROOT / "reports" / "hardware.json"
+    floors = {f["batch"]: f["tok_s_ceiling"] for f in json.loads(hw.read_text())["floors"]} if hw.exists() else {}
     rows = []
     for case in bench.cases:
         row = run_case(model, tokenizer, dict(case), int(bench.repeats), eos, pad_id, compile, graphs)
+        if row["batch"] in floors:  # decode tok/s against the matrix products' ceiling at this batch
+            row["floor_tps"] = floors[row["batch"]]
+            row["floor_fraction"] = row["engine_decode_tps"] / row["floor_tps"]
         rows.append({**row, "model": cfg.model.name, "dtype": cfg.precision.dtype})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     write_json(ROOT / "reports" / "engine_speed.json",

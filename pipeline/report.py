@@ -63,15 +63,16 @@ def engine_speed_section(rows: list[dict]) -> tuple[str, dict]:
     body = tables.markdown(
         ["B", "prompt tokens", "new tokens", "engine tok/s", "HF tok/s", "ratio", "engine prefill, s",
          "HF prefill, s", "engine decode tok/s", "HF decode tok/s", "decode ratio", "engine weights, MB",
-         "KV cache, MB", "peak, MB", "compiled", "paged decode tok/s", "paged/slot decode"],
+         "KV cache, MB", "peak, MB", "compiled", "paged decode tok/s", "paged/slot decode", "decode / floor"],
         [[r["batch"], r["prompt_tokens"], r["new_tokens"], tables.fmt(r["engine_tps"], 1), tables.fmt(r["hf_tps"], 1),
           tables.fmt(r["ratio"]), tables.fmt(r["engine_prefill_s"]), tables.fmt(r["hf_prefill_s"]),
           tables.fmt(r["engine_decode_tps"], 1), tables.fmt(r["hf_decode_tps"], 1), tables.fmt(r["decode_ratio"]),
           tables.fmt(r["engine_weight_bytes"] / 1e6, 0), tables.fmt(r["kv_cache_bytes"] / 1e6, 0),
           tables.fmt(r["engine_peak_mb"], 0), "yes" if r.get("compile") else "no",
-          tables.fmt(r.get("paged_decode_tps"), 1), tables.fmt(r.get("paged_decode_ratio"))] for r in rows])
+          tables.fmt(r.get("paged_decode_tps"), 1), tables.fmt(r.get("paged_decode_ratio")),
+          tables.fmt(r.get("floor_fraction"))] for r in rows])
     metrics = {f"engine_speed.b{r['batch']}_p{r['prompt_tokens']}.{k}": round(r[k], 3) for r in rows
-               for k in ("engine_tps", "hf_tps", "ratio", "decode_ratio", "paged_decode_ratio") if k in r}
+               for k in ("engine_tps", "hf_tps", "ratio", "decode_ratio", "paged_decode_ratio", "floor_fraction") if k in r}
     return body, metrics
 
 

@@ -53,7 +53,8 @@ def validate(cost: CostModel, base) -> tuple[list[dict], dict]:
                                real["point"] not in ("main", "default") else None)
             wl = workloads[workloads["point"] == real["point"]]
             sim = simulate(cost, OmegaConf.to_container(cfg.policy), wl, real["step_s"], int(cfg.seat_tokens),
-                           real["ttft_limit_s"], real["tpot_limit_s"], kv=OmegaConf.to_container(cfg.kv))
+                           real["ttft_limit_s"], real["tpot_limit_s"], real.get("concurrency"),
+                           kv=OmegaConf.to_container(cfg.kv))
             rows.append({"table": table, "point": real["point"], "policy": real["policy"],
                          **{f"real_{m}": real[m] for m in METRICS}, **{f"sim_{m}": sim[m] for m in METRICS}})
     df = pd.DataFrame(rows)

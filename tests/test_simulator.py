@@ -58,7 +58,7 @@ def test_fit_recovers_known_costs_and_reports_each_kind():
                           "prompt_attention": rng.integers(0, 200000, n), "is_mixed": (kind == "mixed").astype(int),
                           "multi_row": rng.integers(0, 2, n)})
     true = CostModel(0.03, {"num_prompt_tokens": 8e-4, "num_decode_rows": 1.5e-3, "num_sampled_rows": 5e-4,
-                            "prompt_attention": 1e-8, "is_mixed": 0.004,
+                            "decode_attention": 2e-7, "prompt_attention": 1e-8, "is_mixed": 0.004,
                             "multi_row": 0.02})
     steps["duration"] = [true.predict(r) * rng.normal(1, 0.01) for r in steps.to_dict("records")]
     model, stats = fit(steps)

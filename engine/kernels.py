@@ -1,0 +1,129 @@
+"""The matrix product each weight shape uses at each row count: the fastest candidate measured on this machine,
+cached per machine (CPU model and instruction sets, GPU, threads, torch, dtype, shape) so it is paid once.
+
+Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs with
+MKL, `packed` (MKL's GEMM on a weight packed once into its own layout). A step of r rows uses the choice of the
+smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
+a step streams them from memory, interleaved with the others, median of REPEATS (about 15 s for SmolLM2-135M on
+2 cores). Shapes whose matrices together fit in a CPU's caches are not measured (their timings are noise) and keep
+`default`, as do devices without a clock (`meta`).
+The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
+"""
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+BUCKETS = (1, 4, 16, 64)  # rows a candidate is measured at
+REPEATS = 5
+SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
+
+
+def cpu_info() -> tuple[str, dict[str, bool]]:
+    """(CPU model name, which of FLAGS it has)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if flags and name:
+                break
+    except OSError:
+        pass
+    return name, {f: f in flags for f in FLAGS}
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("LAB_CACHE_DIR") or Path.home() / ".cache" / "llm-batching-lab") / "kernels.json"
+
+
+def has_packed(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+
+
+def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    return ("in_out", "linear", "packed") if has_packed(device, dtype) else ("in_out", "linear")
+
+
+def default(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Per bucket, the choice for unmeasured shapes: the layout that served best where nothing was measured."""
+    return ["in_out"] + ["packed" if has_packed(device, dtype) else "in_out"] * (len(BUCKETS) - 1)
+
+
+def bucket(rows: int) -> int:
+    """Index into BUCKETS of the choice a product of `rows` rows uses."""
+    for i, b in enumerate(BUCKETS[:-1]):
+        if rows <= b:
+            return i
+    return len(BUCKETS) - 1
+
+
+def machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    cpu, flags = cpu_info()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    fields = [cpu, sorted(k for k, v in flags.items() if v), gpu, torch.get_num_threads(), torch.__version__, str(dtype)]
+    return hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(mats: list, device: torch.device) -> dict:
+    """{"ms": {rows: {candidate: median ms over all of `mats`}}, "choice": [fastest candidate per bucket]} for the
+    Dense objects `mats` (one shape; each holds every candidate's layout while measured)."""
+    din, dtype = mats[0].shape[0], mats[0].dtype
+    ms, choice = {}, []
+    for rows in BUCKETS:
+        x = torch.randn(rows, din, dtype=dtype, device=device)
+        runs = {k: (lambda k=k: [m.product(k, x) for m in mats]) for k in candidates(device, dtype)}
+        times = {k: [] for k in runs}
+        for run in runs.values():  # warm-up
+            run()
+        for _ in range(REPEATS):
+            for k, run in runs.items():
+                _sync(device)
+                t = time.perf_counter()
+                run()
+                _sync(device)
+                times[k].append((time.perf_counter() - t) * 1e3)
+        ms[str(rows)] = {k: statistics.median(v) for k, v in times.items()}
+        choice.append(min(ms[str(rows)], key=ms[str(rows)].get))
+    return {"ms": ms, "choice": choice}
+
+
+def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, remeasure: bool = False) -> dict:
+    """For each shape (in, out) -> its Dense objects: {"choice": [candidate per bucket], "ms": measured timings or
+    None (not measured: `default`)}; measured once per machine and shape, then read from the cache (`remeasure`:
+    measure again and replace the cached entry)."""
+    path, key = cache_path(), machine_key(device, dtype)
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    out, changed = {}, False
+    for shape, mats in groups.items():
+        entry = f"{key}/{shape[0]}x{shape[1]}"
+        if device.type not in ("cpu", "cuda") or sum(m.weight_bytes for m in mats) < SMALL_BYTES and not remeasure:
+            out[shape] = {"choice": default(device, dtype), "ms": None}
+            continue
+        if remeasure or entry not in cached or not set(cached[entry]["choice"]) <= set(candidates(device, dtype)):
+            for m in mats:
+                m.hold(candidates(device, dtype))
+            cached[entry], changed = measure(mats, device), True
+        out[shape] = cached[entry]
+    if changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # written whole, then renamed: never a half-written cache
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, path)
+    return out

@@ -1,0 +1,100 @@
+"""The product each weight shape uses per row count (engine/kernels.py): every choice gives generate's tokens, the
+choice is measured once per machine and read back from the cache, and only the chosen layouts are held."""
+import json
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.hf import generate_alone
+from engine.model import FlatModel, _BUILT
+from pipeline.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
+
+CPU = kernels.candidates(torch.device("cpu"), torch.float32)
+POLICIES = [{"name": "continuous", "max_seats": 3}, {"name": "chunked", "max_seats": 3, "token_budget": 16}]
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    name, model = tiny
+    prompts = scenario_prompts(model, None)
+    return name, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
+
+
+def run_with(model, net, monkeypatch, policy, prompts):
+    monkeypatch.setitem(_BUILT, model, net)  # the engine built over `model` uses `net`
+    return run_scenario(model, policy, prompts, LENS, ARRIVE)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p["name"])
+@pytest.mark.parametrize("kind", [*CPU, "per-bucket"])
+def test_every_choice_gives_generates_tokens(references, kind, policy, monkeypatch):
+    """Each candidate everywhere, and one differing per bucket (decode rows 1-3 and prompt chunks use different
+    products in one run): the tokens of generate."""
+    name, model, prompts, ref = references
+    net = FlatModel(model, kernel=None if kind == "per-bucket" else kind)
+    if kind == "per-bucket":
+        for d in [net.lm_head, *(d for layer in net.layers for d in (layer[1], layer[2], layer[4], layer[5]))]:
+            d.hold(CPU)
+            d.kinds = [CPU[i % len(CPU)] for i in range(len(kernels.BUCKETS))]
+    out = run_with(model, net, monkeypatch, policy, prompts)
+    assert [out[str(i)] for i in range(6)] == ref, f"{name} {kind}"
+
+
+def test_choice_is_measured_once_then_cached(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "SMALL_BYTES", 0)  # measure even a tiny model's shapes
+    net = FlatModel(tiny_llama)
+    cached = json.loads((tmp_path / "kernels.json").read_text())
+    assert len(cached) == len(net.kernels) >= 4  # one entry per shape: qkv, o, gate-up, down, head
+    for shape, c in net.kernels.items():
+        assert c["choice"] == [min(c["ms"][str(r)], key=c["ms"][str(r)].get) for r in kernels.BUCKETS]
+        assert set(c["ms"]["1"]) == set(CPU)
+
+    def no_measuring(*args):
+        raise AssertionError("measured again although cached")
+
+    monkeypatch.setattr(kernels, "measure", no_measuring)
+    again = FlatModel(tiny_llama)
+    assert again.kernels == net.kernels
+
+
+def test_a_broken_cache_is_measured_again(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
+    (tmp_path / "kernels.json").write_text('{"half-writ')
+    net = FlatModel(tiny_llama)
+    assert all(c["ms"] is not None for c in net.kernels.values())
+    assert json.loads((tmp_path / "kernels.json").read_text())  # replaced whole
+
+
+def test_small_shapes_keep_the_default_unmeasured(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    net = FlatModel(tiny_llama)
+    default = kernels.default(torch.device("cpu"), torch.float32)
+    assert all(c == {"choice": default, "ms": None} for c in net.kernels.values())
+    assert not (tmp_path / "kernels.json").exists()
+
+
+def test_only_the_chosen_layouts_are_held(tiny_llama):
+    linear, in_out = FlatModel(tiny_llama, kernel="linear"), FlatModel(tiny_llama, kernel="in_out")
+    d, e = linear.layers[0][1], in_out.layers[0][1]
+    assert d.w is None and d.packed is None and d.w_out_in is not None
+    assert e.w is not None and e.packed is None and e.w_out_in is None
+    with pytest.raises(ValueError, match="choose from"):
+        FlatModel(tiny_llama, kernel="cublas")
+
+
+@pytest.fixture(scope="module")
+def real_references(smollm2):
+    model, tok = smollm2
+    prompts = scenario_prompts(model, tok)
+    return model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CPU)
+def test_real_model_every_choice(real_references, kind, monkeypatch):
+    model, prompts, ref = real_references
+    out = run_with(model, FlatModel(model, kernel=kind), monkeypatch, POLICIES[0], prompts)
+    assert [out[str(i)] for i in range(6)] == ref, kind
