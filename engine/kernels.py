@@ -1,5 +1,6 @@
-"""The matrix product each weight shape uses at each row count: the fastest candidate measured on this machine,
-cached per machine (CPU model and instruction sets, GPU, threads, torch, dtype, shape) so it is paid once.
+"""The weight matrices' products (Dense), and which product each weight shape uses at each row count: the fastest
+candidate measured on this machine, cached per machine (CPU model and instruction sets, GPU, threads, torch, dtype,
+shape) so it is paid once.
 
 Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs with
 MKL, `packed` (MKL's GEMM on a weight packed once into its own layout). A step of r rows uses the choice of the
@@ -127,3 +128,71 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         tmp.write_text(json.dumps(cached, indent=1))
         os.replace(tmp, path)
     return out
+
+
+# MKL's packed product as an operator of its own, which a compiled graph calls as is (Inductor's lowering of the
+# MKL operator needs a fixed row count); eager code calls the MKL operator directly
+_OPS = torch.library.Library("flat", "DEF")
+_OPS.define("packed_linear(Tensor x, Tensor packed, Tensor w_out_in, Tensor? bias) -> Tensor")
+_OPS.impl("packed_linear", lambda x, packed, w, bias: torch.ops.mkl._mkl_linear(x, packed, w, bias, x.shape[0]),
+          "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flat::packed_linear")
+def _packed_linear_shape(x, packed, w, bias):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+class Dense:
+    """y = x W^T (+ bias) (+ residual) for a weight W [out, in], through the product chosen for the step's row count
+    (`kinds`, one candidate per row bucket); only the layouts those candidates read are held."""
+
+    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
+        self.w_out_in, self.bias = w_out_in.contiguous(), bias  # [out, in]: what `linear` reads
+        self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
+        self.dtype, self.device = w_out_in.dtype, w_out_in.device
+        self.w = self.packed = None  # [in, out] for `in_out`; MKL's packed weight for `packed`
+        self.size = self.w_out_in  # a tensor of shape [out, in]: where MKL's packed product reads its sizes
+        self.kinds = default(self.device, self.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w_out_in, self.w, self.packed, self.bias) if t is not None]
+
+    def hold(self, kinds) -> None:
+        """Make the layouts the candidates `kinds` read and drop the others (the values come from an [out, in] or
+        [in, out] layout, so one of them must be held until the last call)."""
+        src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
+        if src is None and set(kinds) - {"packed"}:
+            raise RuntimeError("only MKL's packed layout is held: the weight's values cannot be read back")
+        if "in_out" in kinds and self.w is None:
+            self.w = src.t().contiguous()
+        if "packed" in kinds and self.packed is None:  # the layout does not depend on the row count (64: a hint)
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(src, 64)
+        if "linear" in kinds and self.w_out_in is None:
+            self.w_out_in = src.contiguous()
+        self.w = self.w if "in_out" in kinds else None
+        self.packed = self.packed if "packed" in kinds else None
+        self.w_out_in = self.w_out_in if "linear" in kinds else None
+        self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: [rows, out], added to the product (inside it where the product allows)."""
+        return self.product(self.kinds[bucket(x.shape[0])], x, residual)
+
+    def product(self, kind: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if kind == "packed":
+            if torch.compiler.is_compiling():  # eager calls skip the operator's Python body: 1-2% of a B=64 step
+                y = torch.ops.flat.packed_linear(x, self.packed, self.size, self.bias)
+            else:
+                y = torch.ops.mkl._mkl_linear(x, self.packed, self.size, self.bias, x.shape[0])
+            return y if residual is None else y.add_(residual)
+        w = self.w if kind == "in_out" else self.w_out_in.t()
+        if self.bias is None:
+            return x @ w if residual is None else torch.addmm(residual, x, w)
+        y = torch.addmm(self.bias, x, w)
+        return y if residual is None else y.add_(residual)

@@ -47,11 +47,15 @@ def start(cfg, run, port: int, seat_tokens: int) -> subprocess.Popen:
             f"threads={cfg.threads}", f"seed={cfg.seed}",
             *([f"policy={run.policy}", f"policy.max_seats={run.seats}"] if run.server == "engine" else []),
             *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}" for k, v in (run.get("knobs") or {}).items()]]
-    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""})
-    deadline = time.time() + 300
+    return wait_ready(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
+
+
+def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300) -> subprocess.Popen:
+    """proc once its /health on 127.0.0.1:port answers 200; killed and an error if it exits or times out."""
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server {run.name} exited with {proc.returncode}")
+            raise RuntimeError(f"server {name} exited with {proc.returncode}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return proc
@@ -59,7 +63,7 @@ def start(cfg, run, port: int, seat_tokens: int) -> subprocess.Popen:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"server {run.name} did not come up")
+    raise RuntimeError(f"server {name} did not come up")
 
 
 def stop(proc: subprocess.Popen):

@@ -14,13 +14,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
-import httpx
 from omegaconf import OmegaConf
 
-from pipeline.bench_server import free_port, measure, start, stop
+from pipeline.bench_server import free_port, measure, start, stop, wait_ready
 from pipeline.config import ROOT, load
 from pipeline.env import environment
 from pipeline.io import write_json, write_text
@@ -64,18 +62,7 @@ def serve(binary: Path, gguf: Path, p, threads: int, port: int) -> tuple[subproc
             "-c", str(p.slots * p.ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
             "--no-cache-prompt", "--no-webui", "--alias", "peer"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(args)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, args
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama-server did not come up")
+    return wait_ready(proc, port, f"llama-server ({' '.join(args)})"), args
 
 
 def render(rows: list[dict], settings: dict, env: dict) -> str:
