@@ -2,20 +2,31 @@
 
 Writes reports/hardware.json and reports/HARDWARE.md: read bandwidth, fp32 and bf16 matrix rates, the ridge
 point, the floor of a decode step per batch size (the model's own matrix products, measured, and the roofline),
-KV bytes per token and the seats that fit a memory budget (seed 000's memory table).
+KV bytes per token and the seats that fit a memory budget (seed 000's memory table), and where the engine's own
+decode step spends its time (torch.profiler, by kind of operator).
 """
+import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from engine import LLMEngine, SamplingParams
 from engine.model import FlatModel
 from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment, synchronize
 from pipeline.io import write_json, write_text
+from pipeline.prompts import prompts_for
 
 BATCHES = [1, 4, 16, 64, 128]
 KERNEL_NAMES = ("in_out", "linear", "packed")  # x @ W[in, out]; F.linear on W[out, in]; MKL packed
 CONTEXTS = [1024, 4096]
+SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by kind of operator
+PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
+                             "flat::packed_linear"),
+         "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax"),
+         "RMS norms": ("aten::rms_norm",),
+         "KV writes": ("aten::index_copy_",)}  # top-level operator names -> part; the rest are "other operators"
 
 
 def best_of(fn, device, repeats: int = 5) -> float:
@@ -49,6 +60,32 @@ def step_floor_ms(net: FlatModel, batch: int) -> float:
     return best_of(lambda: [m(x[m.shape[0]]) for m in mats], net.embed.device, 3) * 1e3
 
 
+def step_split(net: FlatModel, batch: int, steps: int = 6) -> dict:
+    """One engine decoding `batch` short chat prompts: its decode step's wall time (median of `steps`, ms), then
+    the same steps under torch.profiler, split into PARTS by top-level operator, "other operators", and the time
+    outside operators (Python, scheduling, sampling bookkeeping), ms per step. The profiler adds a few
+    microseconds to each operator, so the profiled step is longer than the plain one."""
+    prompts = prompts_for("chat", batch, None, net.vocab_size)
+    eng = LLMEngine(net, {"name": "continuous", "max_seats": batch}, max(map(len, prompts)) + 3 * steps + 4)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(max_new_tokens=3 * steps + 3, ignore_eos=True))
+    for _ in range(steps + 2):  # the prefill, then `steps` timed decode steps (the first two warm up)
+        eng.step()
+    wall = [s["duration"] for s in eng.steps[-steps:]]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        profiled = (time.perf_counter() - t) / steps * 1e3
+    parts = dict.fromkeys([*PARTS, "other operators"], 0.0)
+    for e in prof.events():
+        if e.cpu_parent is None and e.name.startswith(("aten::", "mkl::", "flat::")):
+            part = next((k for k, names in PARTS.items() if e.name in names), "other operators")
+            parts[part] += e.cpu_time_total / 1e3 / steps
+    parts["outside operators"] = max(0.0, profiled - sum(parts.values()))
+    return {"batch": batch, "step_ms": statistics.median(wall) * 1e3, "profiled_ms": profiled, "parts": parts}
+
+
 def main(cfg) -> dict:
     dev = cfg.precision.device
     model, _ = load_configured_model(cfg)
@@ -66,6 +103,7 @@ def main(cfg) -> dict:
         floors.append({"batch": b, "measured_ms": measured, "tok_s_ceiling": b / measured * 1e3,
                        "roofline_ms": max(mem_ms, math_ms), "intensity": 2 * params * b / weight_bytes,
                        "regime": "memory-bound" if mem_ms >= math_ms else "compute-bound"})
+    split = [step_split(net, b) for b in SPLIT_BATCHES] if dev == "cpu" else []  # a GPU's operators run async
     kv = net.kv_bytes_per_token
     total = torch.cuda.get_device_properties(0).total_memory if dev.startswith("cuda") else \
         int(open("/proc/meminfo").readline().split()[1]) * 1024
@@ -74,12 +112,31 @@ def main(cfg) -> dict:
              for c in CONTEXTS]
     out = {"model": cfg.model.name, "dtype": cfg.precision.dtype, "params": params, "weight_bytes": weight_bytes,
            "bandwidth_gbs": bw, "gflops": flops, "ridge_flop_per_byte": ridge, "floors": floors,
+           "step_split": split,
            "kv_bytes_per_token": kv, "memory_bytes": total, "kv_budget_bytes": budget, "seats": seats,
            "kernels": [{"shape": list(shape), **c} for shape, c in net.kernels.items()],
            "machine": environment(cfg.threads, dev)}
     write_json(ROOT / "reports" / "hardware.json", out)
     write_text(ROOT / "reports" / "HARDWARE.md", render(out))
     return out
+
+
+def render_split(h: dict) -> list[str]:
+    if not h["step_split"]:
+        return []
+    names = list(h["step_split"][0]["parts"])
+    lines = ["## Where the engine's decode step goes", "",
+             "The engine decoding B short chat prompts: its step's wall time (median of 6), then the same steps under "
+             "torch.profiler split by kind of top-level operator, ms per step (the profiler adds a few microseconds "
+             "per operator, so the profiled step is longer). `outside operators`: Python, scheduling, sampling "
+             "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above).", "",
+             "| B | step, ms | floor, ms | profiled step, ms | " + " | ".join(names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    floor = {f["batch"]: f["measured_ms"] for f in h["floors"]}
+    for sp in h["step_split"]:
+        lines.append(f"| {sp['batch']} | {sp['step_ms']:.1f} | {floor.get(sp['batch'], float('nan')):.1f} | "
+                     f"{sp['profiled_ms']:.1f} | " + " | ".join(f"{v:.1f}" for v in sp["parts"].values()) + " |")
+    return lines + [""]
 
 
 def render(h: dict) -> str:
@@ -114,7 +171,8 @@ def render(h: dict) -> str:
               "above it. On a CPU the ridge is low, and small matrix products run well below the peak rate, so the "
               "measured step grows long before the roofline says it should (the `x the B=1 step` column): "
               "batching stops being free after a few rows. On a GPU decode stays memory-bound to large batches.", "",
-              "## Seats that fit: KV memory per seat against a budget (computed)", "",
+              *render_split(h)]
+    lines += ["## Seats that fit: KV memory per seat against a budget (computed)", "",
               f"Budget: 80% of {h['memory_bytes'] / 2**30:.0f} GiB less the weights = "
               f"{h['kv_budget_bytes'] / 2**30:.1f} GiB.", "",
               "| context per seat, tokens | KV per seat, MiB | seats that fit |", "|---|---|---|"]

@@ -39,6 +39,22 @@ DEADLINE_HEADER = "x-stainless-read-timeout"                           # s the c
 STATUS = {"error": (500, "server_error"), "shutdown": (503, "server_error")}  # event prefix -> HTTP status, type
 
 
+class ApiKey:
+    """Plain ASGI middleware: /v1/ requests without `Authorization: Bearer <key>` get 401. (Starlette's
+    BaseHTTPMiddleware would pass every streamed chunk through extra tasks and memory streams.)"""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                dict(scope["headers"]).get(b"authorization", b"") != self.expected:
+            response = error(401, "invalid or missing API key (Authorization: Bearer ...)", None,
+                             "authentication_error", "invalid_api_key")
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class Failed(Exception):
     """A request ended without an answer: the HTTP status, error type and message to send."""
 
@@ -68,13 +84,8 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
             f"{param or 'body'}: {text}"
         return error(400, msg, param)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error(401, "invalid or missing API key (Authorization: Bearer ...)", None,
-                             "authentication_error", "invalid_api_key")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
 
     @app.get("/health")
     async def health():
@@ -88,6 +99,7 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
 
     @app.get("/metrics")
     async def prom():
+        metrics.http_cpu.set(time.thread_time())  # an async handler runs in the event loop's thread
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -209,10 +221,9 @@ class Stream:
                     self.failed = True
                     raise Failed(*STATUS[kind], msg.strip())
                 now = time.perf_counter()
-                lab = self.metrics.labels
                 if e.token is not None:
                     self.n += 1
-                    (self.metrics.ttft if self.last is None else self.metrics.itl).labels(**lab).observe(
+                    (self.metrics.ttft if self.last is None else self.metrics.itl).observe(
                         now - (self.arrival if self.last is None else self.last))
                     self.last = now
                 visible = e.token if e.token is not None and (e.token not in self.eos or self.body.ignore_eos) else None
@@ -229,10 +240,10 @@ class Stream:
             if self.finish is None:  # the request failed, the client went away, or its deadline passed
                 self.worker.abort(self.rid)
                 reason = "error" if self.failed else "abort"
-                self.metrics.finished.labels(**self.metrics.labels, finished_reason=reason).inc()
+                self.metrics.finished(reason)
             else:
-                self.metrics.e2e.labels(**self.metrics.labels).observe(time.perf_counter() - self.arrival)
-                self.metrics.finished.labels(**self.metrics.labels, finished_reason=self.finish).inc()
+                self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+                self.metrics.finished(self.finish)
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.n,

@@ -23,7 +23,7 @@ from engine import LLMEngine, SamplingParams
 from engine.hf import generate_padded
 from engine.request import stop_reason
 from engine.scheduler import StepEvent
-from servers.worker import SHUTDOWN, Worker
+from servers.worker import SHUTDOWN, Worker, hand_off
 
 NO_PER_ROW = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")  # SamplingParams fields
 
@@ -59,7 +59,7 @@ class BatchStreamer(BaseStreamer):
             self.worker._fail(self.jobs, SHUTDOWN)
             return
         tokens = value.view(-1).tolist()
-        live = 0
+        live, items = 0, []
         for job, token in zip(self.jobs, tokens):
             if job.done:
                 continue  # a finished row: computed by generate, discarded here (a zombie row)
@@ -70,7 +70,8 @@ class BatchStreamer(BaseStreamer):
                 job.done, reason = True, None
                 continue
             job.done = reason is not None
-            job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, token, reason))
+            items.append((job.loop, job.q, StepEvent(job.rid, token, reason)))
+        hand_off(items)
         if self.worker.on_step:
             self.worker.on_step({"num_tokens": len(tokens), "num_prompt_tokens": 0, "useful_rows": live}, [])
 

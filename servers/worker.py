@@ -1,7 +1,7 @@
 """The engine loop in its own thread: a thread-safe inbox in, token events out to each request's asyncio queue.
 
 The thread sleeps on the inbox when the engine is idle, drains it before every step (adds and aborts), and hands
-every event back to the event loop with call_soon_threadsafe. An exception fails every request in flight and
+each step's events to the event loop in one call_soon_threadsafe. An exception fails every request in flight and
 marks the worker down (503 and /health). drain(grace_s) stops the loop once what is in flight has finished, or
 at the grace deadline, failing what is left with a "shutdown:" event.
 
@@ -20,6 +20,22 @@ from engine.scheduler import StepEvent
 
 EMA = 0.2                                          # weight of the newest measurement in the moving averages
 SHUTDOWN = "shutdown: the server is shutting down and this request did not finish within the grace period"
+
+
+def hand_off(items: list[tuple]) -> None:
+    """Give a step's (event loop, asyncio queue, event) triples to their loops: one call into each loop per step,
+    not one per token."""
+    batches: dict = {}  # loop -> [(queue, event)]
+    for loop, q, e in items:
+        batches.setdefault(loop, []).append((q, e))
+    for loop, batch in batches.items():
+        loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple]) -> None:
+    """In the event loop: put each (queue, event)."""
+    for q, e in batch:
+        q.put_nowait(e)
 
 
 class Worker(ABC):
@@ -143,13 +159,16 @@ class EngineWorker(Worker):
         steps = free[0] + len(starts | {free[0]})
         return steps * self.decode_s + (prompt_len + sum(p for p, _ in waiting)) * self.prefill_s
 
-    def _emit(self, event: StepEvent):
-        target = self.streams.get(event.rid)
-        if target:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, event)
-            if event.finish_reason:
-                del self.streams[event.rid]
+    def _emit(self, events: list[StepEvent]):
+        """Hand events to the streams still open; a finished request's stream closes."""
+        items = []
+        for e in events:
+            target = self.streams.get(e.rid)
+            if target:
+                items.append((*target, e))
+                if e.finish_reason:
+                    del self.streams[e.rid]
+        hand_off(items)
 
     def _drain(self, block: bool, timeout: float | None):
         try:
@@ -163,7 +182,7 @@ class EngineWorker(Worker):
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as exc:  # validated already; anything left is reported to that request only
-                    self._emit(StepEvent(rid, None, f"error: {exc}"))
+                    self._emit([StepEvent(rid, None, f"error: {exc}")])
                 self.num_waiting = len(self.engine.scheduler.waiting)  # counted there before it leaves pending
                 self.pending.pop(rid, None)
             elif item[0] == "abort":
@@ -178,9 +197,10 @@ class EngineWorker(Worker):
     def _fail_all(self, reason: str) -> None:
         """Send `reason` as the last event of every request in flight or still in the inbox; abort them."""
         self._drain(block=False, timeout=None)
-        for rid in list(self.streams):
-            self._emit(StepEvent(rid, None, reason))
-            if self.error is None:
+        rids = list(self.streams)
+        self._emit([StepEvent(rid, None, reason) for rid in rids])
+        if self.error is None:
+            for rid in rids:
                 self.engine.abort(rid)
 
     def _loop(self):
@@ -206,8 +226,7 @@ class EngineWorker(Worker):
                     if self.on_step:
                         self.on_step(step, events)
                 del self.engine.steps[:-1]  # keep memory flat on a long-running server
-                for e in events:
-                    self._emit(e)
+                self._emit(events)
         except Exception:
             self.error = traceback.format_exc(limit=3)
             self._fail_all("error: the engine failed; see /health")

@@ -98,3 +98,17 @@ def test_real_model_every_choice(real_references, kind, monkeypatch):
     model, prompts, ref = real_references
     out = run_with(model, FlatModel(model, kernel=kind), monkeypatch, POLICIES[0], prompts)
     assert [out[str(i)] for i in range(6)] == ref, kind
+
+
+def test_step_split_finds_each_kind_of_operator(tiny):
+    """probe_hardware's split of a decode step: matrix products, decode attention, norms and KV writes each
+    measured (non-zero), and the parts with the time outside operators make up the profiled step."""
+    from pipeline.probe_hardware import PARTS, step_split
+
+    split = step_split(FlatModel.of(tiny[1]), 4, steps=3)
+    parts = split["parts"]
+    assert list(parts) == [*PARTS, "other operators", "outside operators"]
+    assert all(parts[k] > 0 for k in PARTS) and parts["other operators"] > 0
+    ops = sum(v for k, v in parts.items() if k != "outside operators")
+    assert ops + parts["outside operators"] == pytest.approx(max(split["profiled_ms"], ops))
+    assert split["step_ms"] > 0

@@ -253,6 +253,25 @@ def test_metrics_count_what_was_served(server):
     assert httpx.get(f"{u}/health").json()["rss_mb"] > 10
 
 
+def test_http_thread_cpu_is_the_event_loops_own(server):
+    """lab:http_thread_cpu_seconds counts the HTTP thread's CPU only: it grows while tokens stream, and not while
+    another thread of the process burns 0.3 s of CPU."""
+    from pipeline.bench_server import http_cpu_s
+    base = f"{server.url}/v1"
+    before = http_cpu_s(base)
+    for _ in range(3):
+        list(client(server).chat.completions.create(model="tiny-chat", messages=HI, max_tokens=8, stream=True,
+                                                    extra_body={"ignore_eos": True}))
+    served = http_cpu_s(base)
+    t = time.thread_time()
+    while time.thread_time() - t < 0.3:  # this (the test's) thread
+        pass
+    idle = http_cpu_s(base)
+    assert 0 <= before < served
+    assert idle - served < 0.1
+    assert http_cpu_s(f"http://127.0.0.1:{free_port()}/v1") is None  # nothing there: no figure
+
+
 def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
     """A real server process (static batching, batches of 2): two requests run, a third waits for a partner.
     SIGTERM: /health says draining, new requests get 503, the two running finish whole, the waiting one ends
