@@ -6,8 +6,9 @@ Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [
 MKL, `packed` (MKL's GEMM on a weight packed once into its own layout). A step of r rows uses the choice of the
 smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
 a step streams them from memory, interleaved with the others, median of REPEATS (about 15 s for SmolLM2-135M on
-2 cores). Shapes whose matrices together fit in a CPU's caches are not measured (their timings are noise) and keep
-`default`, as do devices without a clock (`meta`).
+2 cores); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
+together fit in a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices
+without a clock (`meta`).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
 import hashlib
@@ -22,6 +23,7 @@ import torch
 
 BUCKETS = (1, 4, 16, 64)  # rows a candidate is measured at
 REPEATS = 5
+MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
 
@@ -102,6 +104,16 @@ def measure(mats: list, device: torch.device) -> dict:
     return {"ms": ms, "choice": choice}
 
 
+def steady(before: list[str], fresh: dict) -> list[str]:
+    """Per bucket, the earlier choice unless the fresh measurement's fastest beats it by more than MARGIN: near-ties
+    (within this machine's noise) do not flip the engine's kernels from one measurement to the next."""
+    out = []
+    for old, new, rows in zip(before, fresh["choice"], BUCKETS):
+        ms = fresh["ms"][str(rows)]
+        out.append(old if ms[old] <= ms[new] * (1 + MARGIN) else new)
+    return out
+
+
 def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, remeasure: bool = False) -> dict:
     """For each shape (in, out) -> its Dense objects: {"choice": [candidate per bucket], "ms": measured timings or
     None (not measured: `default`)}; measured once per machine and shape, then read from the cache (`remeasure`:
@@ -117,10 +129,14 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         if device.type not in ("cpu", "cuda") or sum(m.weight_bytes for m in mats) < SMALL_BYTES and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
-        if remeasure or entry not in cached or not set(cached[entry]["choice"]) <= set(candidates(device, dtype)):
+        valid = entry in cached and set(cached[entry]["choice"]) <= set(candidates(device, dtype))
+        if remeasure or not valid:
             for m in mats:
                 m.hold(candidates(device, dtype))
-            cached[entry], changed = measure(mats, device), True
+            fresh = measure(mats, device)
+            if valid:
+                fresh["choice"] = steady(cached[entry]["choice"], fresh)
+            cached[entry], changed = fresh, True
         out[shape] = cached[entry]
     if changed:
         path.parent.mkdir(parents=True, exist_ok=True)

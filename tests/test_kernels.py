@@ -59,6 +59,26 @@ def test_choice_is_measured_once_then_cached(tiny_llama, tmp_path, monkeypatch):
     assert again.kernels == net.kernels
 
 
+def test_measured_again_a_near_tie_keeps_the_earlier_choice(tiny_llama, tmp_path, monkeypatch):
+    """remeasure: a cached choice within MARGIN of the new fastest stays; one beaten by more is replaced."""
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
+    FlatModel(tiny_llama, kernel=None)
+    near, far = 1 + kernels.MARGIN / 2, 1 + kernels.MARGIN * 2
+
+    def rigged(mats, device):  # `linear` fastest everywhere; `in_out` a near tie at 1 row, far behind elsewhere
+        ms = {str(r): {"in_out": near if r == 1 else far, "linear": 1.0, "packed": far} for r in kernels.BUCKETS}
+        return {"ms": ms, "choice": ["linear"] * len(kernels.BUCKETS)}
+
+    cached = json.loads((tmp_path / "kernels.json").read_text())
+    for entry in cached.values():
+        entry["choice"] = ["in_out"] * len(kernels.BUCKETS)
+    (tmp_path / "kernels.json").write_text(json.dumps(cached))
+    monkeypatch.setattr(kernels, "measure", rigged)
+    net = FlatModel(tiny_llama, remeasure=True)
+    assert all(c["choice"] == ["in_out"] + ["linear"] * (len(kernels.BUCKETS) - 1) for c in net.kernels.values())
+
+
 def test_a_broken_cache_is_measured_again(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
