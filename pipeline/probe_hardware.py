@@ -69,7 +69,7 @@ def step_split(net: FlatModel, batch: int, steps: int = 6) -> dict:
     eng = LLMEngine(net, {"name": "continuous", "max_seats": batch}, max(map(len, prompts)) + 3 * steps + 4)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_new_tokens=3 * steps + 3, ignore_eos=True))
-    for _ in range(steps + 2):  # the prefill, then `steps` timed decode steps (the first two warm up)
+    for _ in range(steps + 2):  # the prefill and one decode step warm up; the last `steps` are timed
         eng.step()
     wall = [s["duration"] for s in eng.steps[-steps:]]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
