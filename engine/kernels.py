@@ -11,6 +11,7 @@ together fit in a CPU's caches are not measured (their timings are noise) and ke
 without a clock (`meta`).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
+import bisect
 import hashlib
 import json
 import os
@@ -62,11 +63,8 @@ def default(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def bucket(rows: int) -> int:
-    """Index into BUCKETS of the choice a product of `rows` rows uses."""
-    for i, b in enumerate(BUCKETS[:-1]):
-        if rows <= b:
-            return i
-    return len(BUCKETS) - 1
+    """Index into BUCKETS of the choice a product of `rows` rows uses (called for every product of every step)."""
+    return bisect.bisect_left(BUCKETS, rows, hi=len(BUCKETS) - 1)
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:

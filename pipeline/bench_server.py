@@ -29,6 +29,7 @@ from pipeline.io import write_json, write_parquet, write_text
 from pipeline.loadgen import closed_loop, open_loop
 from pipeline.metrics import slo_limits, summarize
 from pipeline.prompts import CHAT, chat_ids
+from pipeline.tables import fmt
 from pipeline.speed import engine_run, hf_generate
 
 OUT = ROOT / "data" / "results" / "server"
@@ -164,12 +165,11 @@ def scoreboard(rows: list[dict], env: dict, ref: dict | None, opened: dict | Non
              "| date | backend | c | ok | TTFT p50, s | TTFT p99, s | tok/s | per-stream tok/s | max gap p99, s | "
              "HTTP CPU, ms/token | errors |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    f = lambda v, d=2: "n/a" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
     for r in rows:
         lines.append(f"| {day} | {r['backend']} | {r['concurrency']} | {r['complete']}/{r['requests']} | "
-                     f"{f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | {f(r['throughput_tps'], 1)} | "
-                     f"{f(r['per_stream_tps'], 1)} | {f(r['max_gap_p99_s'])} | "
-                     f"{f(r.get('http_cpu_ms_per_token'), 3)} | {r['errors']} |")
+                     f"{fmt(r['ttft_p50_s'])} | {fmt(r['ttft_p99_s'])} | {fmt(r['throughput_tps'], 1)} | "
+                     f"{fmt(r['per_stream_tps'], 1)} | {fmt(r['max_gap_p99_s'])} | "
+                     f"{fmt(r.get('http_cpu_ms_per_token'), 3)} | {r['errors']} |")
     if ref:
         lines += ["", f"c=64 continuous server against the same requests in-process (one run): server "
                   f"{ref['server_tps']:.1f} tok/s, engine {ref['engine_tps']:.1f} tok/s (ratio "
@@ -180,8 +180,9 @@ def scoreboard(rows: list[dict], env: dict, ref: dict | None, opened: dict | Non
                   f"{opened['load']} arrivals), through the server and replayed in-process (measured).", "",
                   "| run | ok | TTFT p50, s | TTFT p99, s | TPOT p50, ms | tok/s | goodput, tok/s |", "|---|---|---|---|---|---|---|"]
         for name, r in ((opened["backend"], opened), ("engine in-process replay", opened["replay"])):
-            lines.append(f"| {name} | {r['complete']}/{r['requests']} | {f(r['ttft_p50_s'])} | {f(r['ttft_p99_s'])} | "
-                         f"{f(r['tpot_p50_s'] * 1e3, 0)} | {f(r['throughput_tps'], 1)} | {f(r['goodput_tps'], 1)} |")
+            lines.append(f"| {name} | {r['complete']}/{r['requests']} | {fmt(r['ttft_p50_s'])} | "
+                         f"{fmt(r['ttft_p99_s'])} | {fmt(r['tpot_p50_s'] * 1e3, 0)} | {fmt(r['throughput_tps'], 1)} | "
+                         f"{fmt(r['goodput_tps'], 1)} |")
     return "\n".join(lines) + "\n"
 
 

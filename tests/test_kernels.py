@@ -132,3 +132,8 @@ def test_step_split_finds_each_kind_of_operator(tiny):
     ops = sum(v for k, v in parts.items() if k != "outside operators")
     assert ops + parts["outside operators"] == pytest.approx(max(split["profiled_ms"], ops))
     assert split["step_ms"] > 0
+
+
+def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
+    assert [kernels.BUCKETS[kernels.bucket(r)] for r in (1, 2, 4, 5, 16, 17, 64)] == [1, 4, 4, 16, 16, 64, 64]
+    assert kernels.bucket(1000) == len(kernels.BUCKETS) - 1  # beyond the last: the last
