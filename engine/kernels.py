@@ -11,7 +11,6 @@ together fit in a CPU's caches are not measured (their timings are noise) and ke
 without a clock (`meta`).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
-import bisect
 import hashlib
 import json
 import os
@@ -63,8 +62,12 @@ def default(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def bucket(rows: int) -> int:
-    """Index into BUCKETS of the choice a product of `rows` rows uses (called for every product of every step)."""
-    return bisect.bisect_left(BUCKETS, rows, hi=len(BUCKETS) - 1)
+    """Index into BUCKETS of the choice a product of `rows` rows uses (called for every product of every step);
+    plain comparisons, which torch.compile traces into guards on the row count (`bisect` would break its graph)."""
+    for i, top in enumerate(BUCKETS[:-1]):
+        if rows <= top:
+            return i
+    return len(BUCKETS) - 1
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
@@ -162,7 +165,8 @@ class Dense:
     (`kinds`, one candidate per row bucket); only the layouts those candidates read are held."""
 
     def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
-        self.w_out_in, self.bias = w_out_in.contiguous(), bias  # [out, in]: what `linear` reads
+        self.w_out_in = w_out_in.detach().contiguous()  # [out, in]: what `linear` reads
+        self.bias = None if bias is None else bias.detach()
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
         self.dtype, self.device = w_out_in.dtype, w_out_in.device
         self.w = self.packed = None  # [in, out] for `in_out`; MKL's packed weight for `packed`

@@ -165,12 +165,16 @@ def test_real_model_seed_scenario(smollm2, policy):
 def test_compiled_decode_steps_match_generate(references):
     """FlatModel.forward(compiled=True): the steps of decodes only run through torch.compile (graphs of one and of
     several rows, with and without a length mask); the tokens stay those of generate."""
+    from torch._dynamo.utils import counters
+
     name, model, prompts, ref = references
+    counters.clear()
     out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
     one = run_scenario(model, {"name": "continuous", "max_seats": 1}, prompts[:2], LENS[:2], {0: [0, 1]},
                        compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
     assert [one["0"], one["1"]] == ref[:2], name
+    assert not counters["graph_break"], dict(counters["graph_break"])  # a step is whole graphs, not eager pieces
 
 
 @pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 5}, {"name": "mixed", "max_seats": 5},
