@@ -230,8 +230,8 @@ class FlatModel:
 
         compiled: run a step of decodes only through torch.compile (Inductor, dynamic shapes): one graph per step
         instead of ~70 eager operators per layer, the elementwise ones fused (~10% faster steps at one row here).
-        Compiling takes 30-120 s per process for each kind of step (one row; several; several of one length),
-        less when Inductor's disk cache has it.
+        Each kind of step (one row; several; several of one length) is compiled once per process, from Inductor's
+        disk cache when it has the graph; cold, the whole SmolLM2 step took tens of minutes on 2 AVX2 cores.
         graphs: pad those steps to a few shapes (see _bucketed); with `compiled` on CUDA each shape is captured
         once as a CUDA graph (mode "reduce-overhead") and replayed, so a decode step is one launch."""
         if not (plan.dec_dense and (compiled or graphs)):
