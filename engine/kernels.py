@@ -2,8 +2,9 @@
 candidate measured on this machine, cached per machine (CPU model and instruction sets, GPU, threads, torch, dtype,
 shape) so it is paid once.
 
-Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs with
-MKL, `packed` (MKL's GEMM on a weight packed once into its own layout). A step of r rows uses the choice of the
+Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs,
+`packed` (MKL's GEMM on a weight packed once into its own layout) and `onednn` (oneDNN's inner product on a weight
+reordered once into its blocked layout, the residual added inside it). A step of r rows uses the choice of the
 smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
 a step streams them from memory, interleaved with the others, median of REPEATS (about 15 s for SmolLM2-135M on
 2 cores); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
@@ -25,6 +26,7 @@ BUCKETS = (1, 4, 16, 64)  # rows a candidate is measured at
 REPEATS = 5
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
+KINDS = ("in_out", "linear", "packed", "onednn")  # every candidate, where it runs (candidates)
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
 
 
@@ -52,8 +54,13 @@ def has_packed(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
 
 
+def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
 def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    return ("in_out", "linear", "packed") if has_packed(device, dtype) else ("in_out", "linear")
+    runs = {"packed": has_packed(device, dtype), "onednn": has_onednn(device, dtype)}
+    return tuple(k for k in KINDS if runs.get(k, True))
 
 
 def default(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -130,7 +137,7 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         if device.type not in ("cpu", "cuda") or sum(m.weight_bytes for m in mats) < SMALL_BYTES and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
-        valid = entry in cached and set(cached[entry]["choice"]) <= set(candidates(device, dtype))
+        valid = entry in cached and set(cached[entry]["ms"][str(BUCKETS[0])]) == set(candidates(device, dtype))
         if remeasure or not valid:
             for m in mats:
                 m.hold(candidates(device, dtype))
@@ -147,16 +154,31 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
     return out
 
 
-# MKL's packed product as an operator of its own, which a compiled graph calls as is (Inductor's lowering of the
-# MKL operator needs a fixed row count); eager code calls the MKL operator directly
+def _onednn(x, weight, bias, residual):
+    """oneDNN's inner product on its reordered weight, + residual inside it when given."""
+    if residual is None:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+
+
+# The packed products as operators of their own, which a compiled graph calls as they are (Inductor's lowering of
+# the MKL operator needs a fixed row count; oneDNN's expects a frozen graph); eager code calls them directly
 _OPS = torch.library.Library("flat", "DEF")
 _OPS.define("packed_linear(Tensor x, Tensor packed, Tensor w_out_in, Tensor? bias) -> Tensor")
 _OPS.impl("packed_linear", lambda x, packed, w, bias: torch.ops.mkl._mkl_linear(x, packed, w, bias, x.shape[0]),
+          "CompositeExplicitAutograd")
+_OPS.define("onednn_linear(Tensor x, Tensor weight, Tensor w_out_in, Tensor? bias, Tensor? residual) -> Tensor")
+_OPS.impl("onednn_linear", lambda x, weight, w, bias, residual: _onednn(x, weight, bias, residual),
           "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flat::packed_linear")
 def _packed_linear_shape(x, packed, w, bias):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.register_fake("flat::onednn_linear")
+def _onednn_linear_shape(x, weight, w, bias, residual):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -169,8 +191,8 @@ class Dense:
         self.bias = None if bias is None else bias.detach()
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
         self.dtype, self.device = w_out_in.dtype, w_out_in.device
-        self.w = self.packed = None  # [in, out] for `in_out`; MKL's packed weight for `packed`
-        self.size = self.w_out_in  # a tensor of shape [out, in]: where MKL's packed product reads its sizes
+        self.w = self.packed = self.dnn = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's for `onednn`
+        self.size = self.w_out_in  # a tensor of shape [out, in]: where the packed products read their sizes
         self.kinds = default(self.device, self.dtype)
 
     @property
@@ -179,22 +201,25 @@ class Dense:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.w_out_in, self.w, self.packed, self.bias) if t is not None]
+        return [t for t in (self.w_out_in, self.w, self.packed, self.dnn, self.bias) if t is not None]
 
     def hold(self, kinds) -> None:
         """Make the layouts the candidates `kinds` read and drop the others (the values come from an [out, in] or
         [in, out] layout, so one of them must be held until the last call)."""
         src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
-        if src is None and set(kinds) - {"packed"}:
-            raise RuntimeError("only MKL's packed layout is held: the weight's values cannot be read back")
+        if src is None and set(kinds) - {"packed", "onednn"}:
+            raise RuntimeError("only packed layouts are held: the weight's values cannot be read back")
         if "in_out" in kinds and self.w is None:
             self.w = src.t().contiguous()
         if "packed" in kinds and self.packed is None:  # the layout does not depend on the row count (64: a hint)
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(src, 64)
+        if "onednn" in kinds and self.dnn is None:  # no row-count hint: one layout serves every row count
+            self.dnn = torch.ops.mkldnn._reorder_linear_weight(src.contiguous(), None)
         if "linear" in kinds and self.w_out_in is None:
             self.w_out_in = src.contiguous()
         self.w = self.w if "in_out" in kinds else None
         self.packed = self.packed if "packed" in kinds else None
+        self.dnn = self.dnn if "onednn" in kinds else None
         self.w_out_in = self.w_out_in if "linear" in kinds else None
         self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
 
@@ -209,6 +234,10 @@ class Dense:
             else:
                 y = torch.ops.mkl._mkl_linear(x, self.packed, self.size, self.bias, x.shape[0])
             return y if residual is None else y.add_(residual)
+        if kind == "onednn":
+            if torch.compiler.is_compiling():
+                return torch.ops.flat.onednn_linear(x, self.dnn, self.size, self.bias, residual)
+            return _onednn(x, self.dnn, self.bias, residual)
         w = self.w if kind == "in_out" else self.w_out_in.t()
         if self.bias is None:
             return x @ w if residual is None else torch.addmm(residual, x, w)

@@ -2,7 +2,8 @@
 
 The weights are copies of the Hugging Face model's with q/k/v and gate/up fused into one matrix each, held in the
 layouts of the products this machine runs fastest at each row count (engine/kernels.py: [in, out], [out, in], or
-MKL's packed GEMM layout on fp32 CPUs, which saves the per-call repacking of the weight), measured once per machine.
+MKL's or oneDNN's packed layouts on fp32 CPUs, which save the per-call repacking of the weight), measured once per
+machine.
 The attention scale is folded into the q rows of the fused matrix when that is exact in any dtype (a power of two,
 as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) it is applied in the attention, as Hugging Face does.
 Attention softmax runs in fp32 whatever the weights' dtype; logits come out in fp32 for the sampler. Attention runs in two batched calls per layer, never a loop over sequences:
@@ -211,7 +212,7 @@ class FlatModel:
                 continue
             try:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            except NotImplementedError:  # MKL's packed weights are opaque: their own size
+            except NotImplementedError:  # packed weights are opaque: their own size
                 seen[id(t)] = t.nbytes
         return sum(seen.values())
 

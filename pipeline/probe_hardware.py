@@ -19,11 +19,10 @@ from pipeline.io import write_json, write_text
 from pipeline.prompts import prompts_for
 
 BATCHES = [1, 4, 16, 64, 128]
-KERNEL_NAMES = ("in_out", "linear", "packed")  # x @ W[in, out]; F.linear on W[out, in]; MKL packed
 CONTEXTS = [1024, 4096]
 SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by kind of operator
 PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
-                             "flat::packed_linear"),
+                             "flat::packed_linear", "mkldnn::_linear_pointwise", "flat::onednn_linear"),
          "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax"),
          "RMS norms": ("aten::rms_norm",),
          "KV writes": ("aten::index_copy_",)}  # top-level operator names -> part; the rest are "other operators"
@@ -79,7 +78,7 @@ def step_split(net: FlatModel, batch: int, steps: int = 6) -> dict:
         profiled = (time.perf_counter() - t) / steps * 1e3
     parts = dict.fromkeys([*PARTS, "other operators"], 0.0)
     for e in prof.events():
-        if e.cpu_parent is None and e.name.startswith(("aten::", "mkl::", "flat::")):
+        if e.cpu_parent is None and e.name.startswith(("aten::", "mkl::", "mkldnn::", "flat::")):
             part = next((k for k, names in PARTS.items() if e.name in names), "other operators")
             parts[part] += e.cpu_time_total / 1e3 / steps
     parts["outside operators"] = max(0.0, profiled - sum(parts.values()))
@@ -162,11 +161,11 @@ def render(h: dict) -> str:
               "(engine/kernels.py; the engine uses the same choice). Each candidate's time for every matrix of the "
               "shape (all layers), median of 5, ms; the chosen one in bold (measured again on every run, a choice "
               f"changes only for a candidate faster by more than {kernels.MARGIN:.0%}):", "",
-              "| shape (in x out) | rows | " + " | ".join(KERNEL_NAMES) + " |", "|---|---|" + "---|" * len(KERNEL_NAMES)]
+              "| shape (in x out) | rows | " + " | ".join(kernels.KINDS) + " |", "|---|---|" + "---|" * len(kernels.KINDS)]
     for k in h["kernels"]:
         for i, (rows, ms) in enumerate((k["ms"] or {}).items()):
             cells = [("**%.1f**" if name == k["choice"][i] else "%.1f") % ms[name] if name in ms else "n/a"
-                     for name in KERNEL_NAMES]
+                     for name in kernels.KINDS]
             lines.append(f"| {k['shape'][0]} x {k['shape'][1]} | {rows} | " + " | ".join(cells) + " |")
     lines += ["", "A step is memory-bound while its FLOP per weight byte is below the ridge point, compute-bound "
               "above it. On a CPU the ridge is low, and small matrix products run well below the peak rate, so the "

@@ -137,3 +137,34 @@ def test_step_split_finds_each_kind_of_operator(tiny):
 def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
     assert [kernels.BUCKETS[kernels.bucket(r)] for r in (1, 2, 4, 5, 16, 17, 64)] == [1, 4, 4, 16, 16, 64, 64]
     assert kernels.bucket(1000) == len(kernels.BUCKETS) - 1  # beyond the last: the last
+
+
+def test_a_cache_measured_with_other_candidates_is_measured_again(tiny_llama, tmp_path, monkeypatch):
+    """A candidate added since the cache was written (or one that no longer runs) means the shape is measured anew."""
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
+    FlatModel(tiny_llama)
+    cached = json.loads((tmp_path / "kernels.json").read_text())
+    for entry in cached.values():
+        for ms in entry["ms"].values():
+            del ms[CPU[-1]]
+    (tmp_path / "kernels.json").write_text(json.dumps(cached))
+    net = FlatModel(tiny_llama)
+    assert all(set(c["ms"]["1"]) == set(CPU) for c in net.kernels.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["packed", "onednn"])
+def test_compiled_steps_call_the_packed_products_whole(references, kind, monkeypatch):
+    """Compiled decode steps on a packed candidate everywhere (a custom operator inside the graph): generate's
+    tokens, no graph break."""
+    from torch._dynamo.utils import counters
+
+    if kind not in CPU:
+        pytest.skip(f"{kind} does not run on this machine")
+    name, model, prompts, ref = references
+    monkeypatch.setitem(_BUILT, model, FlatModel(model, kernel=kind))
+    counters.clear()
+    out = run_scenario(model, POLICIES[0], prompts, LENS, ARRIVE, compile=True)
+    assert [out[str(i)] for i in range(6)] == ref, f"{name} {kind}"
+    assert not counters["graph_break"], dict(counters["graph_break"])
