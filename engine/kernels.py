@@ -6,7 +6,7 @@ Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [
 `packed` (MKL's GEMM on a weight packed once into its own layout) and `onednn` (oneDNN's inner product on a weight
 reordered once into its blocked layout, the residual added inside it). A step of r rows uses the choice of the
 smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
-a step streams them from memory, interleaved with the others, median of REPEATS (about 15 s for SmolLM2-135M on
+a step streams them from memory, interleaved with the others, median of REPEATS (about 20 s for SmolLM2-135M on
 2 cores); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
 together fit in a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices
 without a clock (`meta`).
