@@ -27,6 +27,7 @@ REPEATS = 5
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
 KINDS = ("in_out", "linear", "packed", "onednn")  # every candidate, where it runs (candidates)
+OPAQUE = ("packed", "onednn")  # candidates whose layout the weight's values cannot be read back from
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
 
 
@@ -126,7 +127,7 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
     """For each shape (in, out) -> its Dense objects: {"choice": [candidate per bucket], "ms": measured timings or
     None (not measured: `default`)}; measured once per machine and shape, then read from the cache (`remeasure`:
     measure again and replace the cached entry)."""
-    path, key = cache_path(), machine_key(device, dtype)
+    path, key, runs = cache_path(), machine_key(device, dtype), candidates(device, dtype)
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -137,10 +138,11 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         if device.type not in ("cpu", "cuda") or sum(m.weight_bytes for m in mats) < SMALL_BYTES and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
-        valid = entry in cached and set(cached[entry]["ms"][str(BUCKETS[0])]) == set(candidates(device, dtype))
+        measured = (cached.get(entry) or {}).get("ms") or {}  # rows -> {candidate: ms}
+        valid = all(set(measured.get(str(rows), ())) == set(runs) for rows in BUCKETS)  # today's candidates, buckets
         if remeasure or not valid:
             for m in mats:
-                m.hold(candidates(device, dtype))
+                m.hold(runs)
             fresh = measure(mats, device)
             if valid:
                 fresh["choice"] = steady(cached[entry]["choice"], fresh)
@@ -207,7 +209,7 @@ class Dense:
         """Make the layouts the candidates `kinds` read and drop the others (the values come from an [out, in] or
         [in, out] layout, so one of them must be held until the last call)."""
         src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
-        if src is None and set(kinds) - {"packed", "onednn"}:
+        if src is None and set(kinds) - set(OPAQUE):
             raise RuntimeError("only packed layouts are held: the weight's values cannot be read back")
         if "in_out" in kinds and self.w is None:
             self.w = src.t().contiguous()
