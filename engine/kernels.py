@@ -6,8 +6,8 @@ Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [
 `packed` (MKL's GEMM on a weight packed once into its own layout) and `onednn` (oneDNN's inner product on a weight
 reordered once into its blocked layout, the residual added inside it). A step of r rows uses the choice of the
 smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
-a step streams them from memory, interleaved with the others, median of REPEATS (about 20 s for SmolLM2-135M on
-2 cores); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
+a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a quarter of them at
+256 rows), interleaved with the others, median of REPEATS (about 25 s for SmolLM2-135M on 2 cores); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
 together fit in a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices
 without a clock (`meta`).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-BUCKETS = (1, 4, 16, 64)  # rows a candidate is measured at
+BUCKETS = (1, 4, 16, 64, 256)  # rows a candidate is measured at (256: chunked and whole-prompt prefills)
+STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
 REPEATS = 5
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
@@ -92,12 +93,14 @@ def _sync(device: torch.device) -> None:
 
 def measure(mats: list, device: torch.device) -> dict:
     """{"ms": {rows: {candidate: median ms over all of `mats`}}, "choice": [fastest candidate per bucket]} for the
-    Dense objects `mats` (one shape; each holds every candidate's layout while measured)."""
+    Dense objects `mats` (one shape; each holds every candidate's layout while measured). Past STREAMED rows a
+    product is compute-bound: a share of the matrices is timed and the time scaled to all of them."""
     din, dtype = mats[0].shape[0], mats[0].dtype
     ms, choice = {}, []
     for rows in BUCKETS:
         x = torch.randn(rows, din, dtype=dtype, device=device)
-        runs = {k: (lambda k=k: [m.product(k, x) for m in mats]) for k in candidates(device, dtype)}
+        some = mats[:max(1, len(mats) * STREAMED // rows)]
+        runs = {k: (lambda k=k: [m.product(k, x) for m in some]) for k in candidates(device, dtype)}
         times = {k: [] for k in runs}
         for run in runs.values():  # warm-up
             run()
@@ -108,7 +111,7 @@ def measure(mats: list, device: torch.device) -> dict:
                 run()
                 _sync(device)
                 times[k].append((time.perf_counter() - t) * 1e3)
-        ms[str(rows)] = {k: statistics.median(v) for k, v in times.items()}
+        ms[str(rows)] = {k: statistics.median(v) * len(mats) / len(some) for k, v in times.items()}
         choice.append(min(ms[str(rows)], key=ms[str(rows)].get))
     return {"ms": ms, "choice": choice}
 

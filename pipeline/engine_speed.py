@@ -1,15 +1,18 @@
 """Stage engine_speed: the engine against Hugging Face `generate` on the same model, dtype and requests, one process
 (pipeline.speed). One warm-up first, not reported. Each row's engine decode rate is also set against this machine's
-floor for that batch (reports/hardware.json: the model's matrix products alone, best kernels, when probed).
+floor for that batch, measured in the same process just before and after the case (the faster of the two): the
+model's matrix products alone, on the engine's kernels (probe_hardware.step_floor_ms).
 Writes reports/engine_speed.json: {"machine", "rows"}."""
 import json
 
 import torch
 
 from engine.loader import eos_ids
+from engine.model import FlatModel
 from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json
+from pipeline.probe_hardware import step_floor_ms
 from pipeline.prompts import prompts_for
 from pipeline.speed import engine_run, hf_generate, run_case
 
@@ -26,14 +29,12 @@ def main(cfg) -> list[dict]:
     for prompts in (warm[:1], warm, [warm[0]] * 2) if compile else (warm,):
         engine_run(model, prompts, 8, eos, compile, graphs=graphs)
     hf_generate(model, warm, 8, pad_id)
-    hw = ROOT / "reports" / "hardware.json"
-    floors = {f["batch"]: f["tok_s_ceiling"] for f in json.loads(hw.read_text())["floors"]} if hw.exists() else {}
-    rows = []
+    net, rows = FlatModel.of(model), []
     for case in bench.cases:
+        before = step_floor_ms(net, int(case["batch"]))
         row = run_case(model, tokenizer, dict(case), int(bench.repeats), eos, pad_id, compile, graphs)
-        if row["batch"] in floors:  # decode tok/s against the matrix products' ceiling at this batch
-            row["floor_tps"] = floors[row["batch"]]
-            row["floor_fraction"] = row["engine_decode_tps"] / row["floor_tps"]
+        row["floor_tps"] = row["batch"] / min(before, step_floor_ms(net, row["batch"])) * 1e3  # products alone
+        row["floor_fraction"] = row["engine_decode_tps"] / row["floor_tps"]
         rows.append({**row, "model": cfg.model.name, "dtype": cfg.precision.dtype})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     write_json(ROOT / "reports" / "engine_speed.json",

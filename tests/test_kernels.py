@@ -135,7 +135,8 @@ def test_step_split_finds_each_kind_of_operator(tiny):
 
 
 def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
-    assert [kernels.BUCKETS[kernels.bucket(r)] for r in (1, 2, 4, 5, 16, 17, 64)] == [1, 4, 4, 16, 16, 64, 64]
+    rows = (1, 2, 4, 5, 16, 17, 64, 65, 256)
+    assert [kernels.BUCKETS[kernels.bucket(r)] for r in rows] == [1, 4, 4, 16, 16, 64, 64, 256, 256]
     assert kernels.bucket(1000) == len(kernels.BUCKETS) - 1  # beyond the last: the last
 
 
