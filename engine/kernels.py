@@ -6,8 +6,9 @@ Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [
 `packed` (MKL's GEMM on a weight packed once into its own layout) and `onednn` (oneDNN's inner product on a weight
 reordered once into its blocked layout, the residual added inside it). A step of r rows uses the choice of the
 smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
-a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a quarter of them at
-256 rows), interleaved with the others, median of REPEATS (about 25 s for SmolLM2-135M on 2 cores); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
+a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a share of them, the
+time scaled), interleaved with the others, median of REPEATS (about 25 s for SmolLM2-135M on 2 cores); measured
+again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
 together fit in a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices
 without a clock (`meta`).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.

@@ -140,6 +140,27 @@ def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
     assert kernels.bucket(1000) == len(kernels.BUCKETS) - 1  # beyond the last: the last
 
 
+def test_past_streamed_rows_a_share_of_the_matrices_is_timed_and_scaled_to_all(monkeypatch):
+    clock, rows_seen = [0.0], []
+
+    class Mat:  # each product advances the clock by 1 ms
+        shape, dtype = torch.Size((8, 8)), torch.float32
+
+        def product(self, kind, x):
+            clock[0] += 1e-3
+            rows_seen.append(x.shape[0])
+
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+    n = 8
+    out = kernels.measure([Mat() for _ in range(n)], torch.device("cpu"))
+    calls = len(CPU) * (kernels.REPEATS + 1)  # warm-up and repeats, every candidate
+    for rows in kernels.BUCKETS:
+        timed = min(n, max(1, n * kernels.STREAMED // rows))
+        assert rows_seen.count(rows) == calls * timed
+        assert out["ms"][str(rows)] == pytest.approx(dict.fromkeys(CPU, float(n)))  # 1 ms per matrix, all n
+    assert rows_seen.count(kernels.BUCKETS[-1]) < calls * n  # the last bucket timed fewer than all
+
+
 def test_a_cache_measured_with_other_candidates_is_measured_again(tiny_llama, tmp_path, monkeypatch):
     """A candidate added since the cache was written (or one that no longer runs) means the shape is measured anew."""
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
