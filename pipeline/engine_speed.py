@@ -1,7 +1,7 @@
 """Stage engine_speed: the engine against Hugging Face `generate` on the same model, dtype and requests, one process
 (pipeline.speed). One warm-up first, not reported. Each row's engine decode rate is also set against this machine's
 floor for that batch, measured in the same process just before and after the case (the faster of the two): the
-model's matrix products alone, on the engine's kernels (probe_hardware.step_floor_ms).
+model's matrix products alone, on the engine's kernels (speed.step_floor_ms, as probe_hardware measures it).
 Writes reports/engine_speed.json: {"machine", "rows"}."""
 import json
 
@@ -12,9 +12,8 @@ from engine.model import FlatModel
 from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json
-from pipeline.probe_hardware import step_floor_ms
 from pipeline.prompts import prompts_for
-from pipeline.speed import engine_run, hf_generate, run_case
+from pipeline.speed import engine_run, hf_generate, run_case, step_floor_ms
 
 
 def main(cfg) -> list[dict]:
@@ -31,9 +30,10 @@ def main(cfg) -> list[dict]:
     hf_generate(model, warm, 8, pad_id)
     net, rows = FlatModel.of(model), []
     for case in bench.cases:
-        before = step_floor_ms(net, int(case["batch"]))
+        B = int(case["batch"])
+        before = step_floor_ms(net, B)
         row = run_case(model, tokenizer, dict(case), int(bench.repeats), eos, pad_id, compile, graphs)
-        row["floor_tps"] = row["batch"] / min(before, step_floor_ms(net, row["batch"])) * 1e3  # products alone
+        row["floor_tps"] = B / min(before, step_floor_ms(net, B)) * 1e3  # matrix products alone
         row["floor_fraction"] = row["engine_decode_tps"] / row["floor_tps"]
         rows.append({**row, "model": cfg.model.name, "dtype": cfg.precision.dtype})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

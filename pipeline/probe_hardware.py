@@ -14,9 +14,10 @@ from torch.profiler import ProfilerActivity, profile
 from engine import LLMEngine, SamplingParams, kernels
 from engine.model import FlatModel
 from pipeline.config import ROOT, load, load_configured_model
-from pipeline.env import environment, synchronize
+from pipeline.env import environment
 from pipeline.io import write_json, write_text
 from pipeline.prompts import prompts_for
+from pipeline.speed import best_of, step_floor_ms
 
 BATCHES = [1, 4, 16, 64, 128]
 CONTEXTS = [1024, 4096]
@@ -29,19 +30,6 @@ PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::l
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
 
 
-def best_of(fn, device, repeats: int = 5) -> float:
-    """Fastest of `repeats` timed calls (s) after one warm-up, the device synchronised around each."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        t = time.perf_counter()
-        fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def bandwidth_gbs(device: str) -> float:
     """Streaming read: sum of a 512 MiB fp32 tensor, GB/s."""
     x = torch.ones(128 * 2**20, device=device)
@@ -51,13 +39,6 @@ def bandwidth_gbs(device: str) -> float:
 def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     return 2 * n ** 3 / best_of(lambda: a @ b, device) / 1e9
-
-
-def step_floor_ms(net: FlatModel, batch: int) -> float:
-    """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms."""
-    mats = [w for layer in net.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [net.lm_head]
-    x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.dtype, device=m.device) for m in mats}
-    return best_of(lambda: [m(x[m.shape[0]]) for m in mats], net.embed.device, 3) * 1e3
 
 
 def step_split(net: FlatModel, batch: int, steps: int = 6) -> dict:

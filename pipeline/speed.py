@@ -2,8 +2,9 @@
 
 Each case: B prompts arriving at once, exactly `new_tokens` new tokens each (EOS ignored / suppressed).
 Hugging Face runs a left-padded batch; the engine runs continuous batching with B seats (its decode steps compiled
-when `compile` is set), on the slot cache and again on a paged pool of the same size. Best of `repeats`; prefill timed apart (HF: a 1-token generate; engine: its first,
-all-prompt step).
+when `compile` is set), on the slot cache and again on a paged pool of the same size. Best of `repeats`; prefill
+timed apart (HF: a 1-token generate; engine: its first, all-prompt step). Also the floor of a step: the model's
+matrix products alone (step_floor_ms, shared with probe_hardware).
 """
 import time
 
@@ -11,8 +12,29 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.hf import generate_padded
+from engine.model import FlatModel
 from pipeline.env import PeakRSS, synchronize
 from pipeline.prompts import prompts_for
+
+
+def best_of(fn, device, repeats: int = 5) -> float:
+    """Fastest of `repeats` timed calls (s) after one warm-up, the device synchronised around each."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        t = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def step_floor_ms(net: FlatModel, batch: int) -> float:
+    """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms."""
+    mats = [w for layer in net.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [net.lm_head]
+    x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.dtype, device=m.device) for m in mats}
+    return best_of(lambda: [m(x[m.shape[0]]) for m in mats], net.embed.device, 3) * 1e3
 
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:

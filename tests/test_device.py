@@ -12,7 +12,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import ScheduledChunk as Chunk
 from engine.scheduler import SchedulerOutput
 from pipeline.bench_cache import append_s
-from pipeline.probe_hardware import step_floor_ms
+from pipeline.speed import step_floor_ms
 from tests.conftest import TINY, model_cfg
 
 READ_BACK = "Cannot copy out of meta tensor|cannot be called on meta tensors"  # .tolist() / .item()
