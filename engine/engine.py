@@ -2,6 +2,7 @@
 import time
 from dataclasses import replace
 
+from engine import kernels
 from engine.blocks import BlockManager
 from engine.model import FlatModel
 from engine.policies import make_scheduler
@@ -146,6 +147,40 @@ class LLMEngine:
                            "cached_tokens": sum(plan.num_cached_tokens.values()),
                            "preempted": len(plan.preempted_ids), **kv, **plan.features()})
         return events
+
+    @property
+    def compiled(self) -> bool:
+        """Whether some steps run through torch.compile (decode-only steps, compile on, not on a paged cache)."""
+        return bool(getattr(self.runner, "compile", False)) and self.scheduler.blocks is None
+
+    def warm_up(self) -> float:
+        """Compile now, not in the first requests' steps, every kind of step that runs compiled (FlatModel.forward):
+        decode steps of one row and, for each kernel row bucket up to the seats (with graphs: each power of two),
+        of rows of equal and of unequal lengths, all seats decoding or fewer. A scratch engine runs them on this
+        engine's runner (its cache rows are overwritten; this engine's requests and records are untouched).
+        Seconds spent; 0 when no step runs compiled (eager, or a paged cache)."""
+        runner = self.runner
+        if not self.compiled:
+            return 0.0
+        t = time.perf_counter()
+        seats = self.scheduler.seats.num_seats
+        sizes, low = set(), 1
+        for i, top in enumerate(kernels.BUCKETS):  # rows low..top share each matrix's product (the last: all beyond)
+            high = seats if i == len(kernels.BUCKETS) - 1 else min(top, seats)
+            if high >= low:
+                sizes.add(high)
+            if high == seats and seats - 1 >= max(low, 2):
+                sizes.add(seats - 1)  # fewer rows than seats: another graph than all seats decoding
+            low = top + 1
+        if runner.graphs:
+            sizes |= {1 << k for k in range(seats.bit_length()) if 1 << k <= seats}
+        scratch = LLMEngine(None, {"name": "continuous", "max_seats": seats}, self.seat_tokens, runner=runner)
+        n = max(1, min(8, self.seat_tokens - 3))  # prompt tokens; 3 new ones: a prefill step, then 2 decode steps
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        for rows in sorted(sizes):
+            for lens in [[n] * rows] + ([[1 + i % n for i in range(rows)]] if rows > 1 else []):
+                scratch.generate([[(1 + j) % self.vocab_size for j in range(m)] for m in lens], params)
+        return time.perf_counter() - t
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """All prompts arrive now; step until every one is done; return each one's output tokens."""

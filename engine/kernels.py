@@ -49,8 +49,13 @@ def cpu_info() -> tuple[str, dict[str, bool]]:
     return name, {f: f in flags for f in FLAGS}
 
 
+def cache_dir() -> Path:
+    """Where what is measured or compiled once per machine is kept: kernels.json, inductor/ (compiled steps)."""
+    return Path(os.environ.get("LAB_CACHE_DIR") or Path.home() / ".cache" / "llm-batching-lab")
+
+
 def cache_path() -> Path:
-    return Path(os.environ.get("LAB_CACHE_DIR") or Path.home() / ".cache" / "llm-batching-lab") / "kernels.json"
+    return cache_dir() / "kernels.json"
 
 
 def has_packed(device: torch.device, dtype: torch.dtype) -> bool:

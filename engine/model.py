@@ -15,7 +15,9 @@ Steps of decodes only may run through torch.compile (forward's `compiled`).
 A config is checked first (check_config): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
+import logging
 import math
+import os
 import weakref
 from dataclasses import dataclass, replace
 
@@ -51,6 +53,7 @@ class AttentionPlan:
     pre_keys: torch.Tensor | None = None  # paged: [P, KV, Lp] cache rows of each chunk's keys (pre_shape's Lp)
 
 
+log = logging.getLogger(__name__)
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Hugging Face model -> its FlatModel
 
 
@@ -166,7 +169,8 @@ class FlatModel:
                     _release([a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
         if take:
             hf_model.forward = _taken
-        self._compiled = None  # _forward through torch.compile, made on first use
+        self._compiled = None  # _forward through torch.compile, made on first use; False once compiling failed
+        self.compile_error: str | None = None  # why compiled steps fell back to eager (logged once), if they did
         self.kernels = self._choose_kernels(kernel, remeasure)  # (in, out) -> {"choice": per bucket, "ms": timings}
 
     def _choose_kernels(self, kernel: str | None, remeasure: bool) -> dict:
@@ -232,8 +236,11 @@ class FlatModel:
         compiled: run a step of decodes only through torch.compile (Inductor, dynamic shapes): one graph per step
         instead of ~70 eager operators per layer, the elementwise ones fused (on 2 AVX2 cores 1.04x eager's decode
         rate at 1 and 64 rows, SmolLM2's shapes cut to 4 layers).
-        Each kind of step (one row; several; several of one length) is compiled once per process, from Inductor's
-        disk cache when it has the graph; cold, the whole SmolLM2 step took tens of minutes on 2 AVX2 cores.
+        Each kind of step (one row; several; several of one length; per kernel row bucket) is compiled once per
+        process, from Inductor's disk cache when it has the graph (kernels.cache_dir()/inductor unless
+        TORCHINDUCTOR_CACHE_DIR is set; LLMEngine.warm_up compiles them all up front); cold, the whole SmolLM2 step
+        took tens of minutes on 2 AVX2 cores. Where compiling fails, those steps run eager from then on, the
+        reason logged once and kept in `compile_error`.
         graphs: pad those steps to a few shapes (see _bucketed); with `compiled` on CUDA each shape is captured
         once as a CUDA graph (mode "reduce-overhead") and replayed, so a decode step is one launch."""
         if not (plan.dec_dense and (compiled or graphs)):
@@ -241,17 +248,27 @@ class FlatModel:
         n = logit_rows.shape[0]
         if graphs:
             ids, plan, logit_rows = self._bucketed(ids, plan, cache)
-        run = self._forward
-        if compiled:
-            if self._compiled is None:
-                cuda_graphs = graphs and self.embed.device.type == "cuda"
-                if cuda_graphs:  # the cache is written inside the graph: its tensors must keep their addresses
-                    for t in cache.k + cache.v:
-                        torch._dynamo.mark_static_address(t)
-                self._compiled = torch.compile(self._forward, dynamic=True,
-                                               mode="reduce-overhead" if cuda_graphs else None)
-            run = self._compiled
-        logits = run(ids, plan, cache, logit_rows)
+        if compiled and self._compiled is None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.cache_dir() / "inductor"))  # kept across runs
+            # a graph per kind of step (row bucket, masked or not; with graphs, per padded shape): more than 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            torch.fx.experimental._config.use_duck_shape = False  # sizes equal by chance (rows, heads) stay apart
+            cuda_graphs = graphs and self.embed.device.type == "cuda"
+            if cuda_graphs:  # the cache is written inside the graph: its tensors must keep their addresses
+                for t in cache.k + cache.v:
+                    torch._dynamo.mark_static_address(t)
+            self._compiled = torch.compile(self._forward, dynamic=True,
+                                           mode="reduce-overhead" if cuda_graphs else None)
+        if compiled and self._compiled is not False:
+            try:
+                logits = self._compiled(ids, plan, cache, logit_rows)
+            except Exception as exc:  # no C++ compiler, an operator Inductor cannot lower...: eager from now on
+                self.compile_error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+                log.warning("compiled steps failed; running them eager from now on: %s", self.compile_error)
+                self._compiled = False
+                logits = self._forward(ids, plan, cache, logit_rows)  # rewrites the same cache rows, if any were
+        else:
+            logits = self._forward(ids, plan, cache, logit_rows)
         return logits[:n].clone() if graphs else logits  # a graph's outputs are overwritten by its next replay
 
     def _bucketed(self, ids: torch.Tensor, plan: AttentionPlan, cache):

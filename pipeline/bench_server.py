@@ -30,7 +30,7 @@ from pipeline.loadgen import closed_loop, open_loop
 from pipeline.metrics import slo_limits, summarize
 from pipeline.prompts import CHAT, chat_ids
 from pipeline.tables import fmt
-from pipeline.speed import engine_run, hf_generate
+from pipeline.speed import engine_run, hf_generate, warm_compiled
 
 OUT = ROOT / "data" / "results" / "server"
 
@@ -51,16 +51,22 @@ def start(cfg, run, port: int, seat_tokens: int) -> subprocess.Popen:
     return wait_ready(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
 
 
-def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300) -> subprocess.Popen:
-    """proc once its /health on 127.0.0.1:port answers 200; killed and an error if it exits or times out."""
-    deadline = time.time() + timeout_s
+def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300,
+               warm_s: float = 3600) -> subprocess.Popen:
+    """proc once its /health on 127.0.0.1:port answers 200; killed and an error if it exits, does not answer within
+    timeout_s, or is still warming up (compiling its steps, LLMEngine.warm_up) warm_s after its start."""
+    start = time.time()
+    deadline = start + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server {name} exited with {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            if r.status_code == 200:
                 return proc
-        except httpx.HTTPError:
+            if r.json().get("status") == "warming up":
+                deadline = max(deadline, start + warm_s)
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.5)
     proc.kill()
@@ -144,12 +150,15 @@ def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame
 
 
 def references(cfg, n: int, max_tokens: int) -> dict:
-    """The same c=64 requests in-process: the engine (64 seats) and HF generate on a padded batch."""
+    """The same c=64 requests in-process: the engine (64 seats, its steps compiled as the server's are) and HF
+    generate on a padded batch."""
     model, tok = load_configured_model(cfg)
     prompts = [chat_ids(tok, text) for text, _ in requests_for(n, max_tokens, 0)]
-    eos = eos_ids(model)
+    eos, compile, graphs = eos_ids(model), bool(cfg.precision.compile), bool(cfg.precision.graphs)
     engine_run(model, prompts[:2], 4, eos)  # warm-up
-    eng = engine_run(model, prompts, max_tokens, eos)
+    if compile:
+        warm_compiled(model, len(prompts), eos, graphs)
+    eng = engine_run(model, prompts, max_tokens, eos, compile, graphs=graphs)
     hf = hf_generate(model, prompts, max_tokens, tok.pad_token_id or 0)
     return {"engine_tps": n * max_tokens / eng["total"], "hf_tps": n * max_tokens / hf}
 

@@ -13,7 +13,7 @@ from pipeline.config import ROOT, load, load_configured_model
 from pipeline.env import environment
 from pipeline.io import write_json
 from pipeline.prompts import prompts_for
-from pipeline.speed import engine_run, hf_generate, run_case, step_floor_ms
+from pipeline.speed import engine_run, hf_generate, run_case, step_floor_ms, warm_compiled
 
 
 def main(cfg) -> list[dict]:
@@ -24,9 +24,9 @@ def main(cfg) -> list[dict]:
     bench = cfg.bench.engine_speed
     compile, graphs = bool(bench.compile or cfg.precision.compile), bool(cfg.precision.graphs)
     warm = prompts_for("chat", 2, tokenizer, model.config.vocab_size)
-    # warm-up, not reported; with compile: the graphs of one row, of several rows, of several rows of one length
-    for prompts in (warm[:1], warm, [warm[0]] * 2) if compile else (warm,):
-        engine_run(model, prompts, 8, eos, compile, graphs=graphs)
+    engine_run(model, warm, 8, eos, compile, graphs=graphs)  # warm-up, not reported
+    if compile:
+        warm_compiled(model, max(int(case["batch"]) for case in bench.cases), eos, graphs)
     hf_generate(model, warm, 8, pad_id)
     net, rows = FlatModel.of(model), []
     for case in bench.cases:

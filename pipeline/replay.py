@@ -13,9 +13,12 @@ from pipeline.metrics import slo_limits, summarize
 from pipeline.workloads import expected_prefix_hits, predicted_static_efficiency
 
 
-def calibrate_step(model, seats: int, seat_tokens: int, prompt_len: int = 32, steps: int = 6, eos=()) -> float:
-    """Median seconds of one full-batch decode step with `seats` rows (the unit of load and of the SLOs)."""
-    eng = LLMEngine(model, {"name": "continuous", "max_seats": seats}, seat_tokens, eos)
+def calibrate_step(model, seats: int, seat_tokens: int, prompt_len: int = 32, steps: int = 6, eos=(),
+                   compile: bool = False, graphs: bool = False) -> float:
+    """Median seconds of one full-batch decode step with `seats` rows (the unit of load and of the SLOs), run as
+    the replays run it (compiled steps warmed up first)."""
+    eng = LLMEngine(model, {"name": "continuous", "max_seats": seats}, seat_tokens, eos, compile=compile, graphs=graphs)
+    eng.warm_up()
     p = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
     for i in range(seats):
         eng.add_request(f"c{i}", [3 + (i + j) % 50 for j in range(prompt_len)], p)
@@ -101,11 +104,13 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
     """Replay one run's workload; returns (summary row, per-request records, per-step records)."""
     ref, eos = int(cfg.load.get("ref_seats", cfg.policy.max_seats)), eos_ids(model)
     if ref not in steps_cache:
-        steps_cache[ref] = calibrate_step(model, ref, int(cfg.seat_tokens), int(wl["prompt_tokens"].median()), eos=eos)
+        steps_cache[ref] = calibrate_step(model, ref, int(cfg.seat_tokens), int(wl["prompt_tokens"].median()), eos=eos,
+                                          compile=bool(cfg.precision.compile), graphs=bool(cfg.precision.graphs))
     step_s = steps_cache[ref]
     engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.seat_tokens), eos, seed=int(cfg.seed),
                        kv=OmegaConf.to_container(cfg.kv), compile=bool(cfg.precision.compile),
                        graphs=bool(cfg.precision.graphs))
+    engine.warm_up()  # compiled steps: compiled now, not in the replay's first steps
     conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
     req, st, _ = replay(engine, wl, step_s, conc)
     ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)

@@ -46,6 +46,11 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -
     return time.perf_counter() - t
 
 
+def warm_compiled(model, seats: int, eos, graphs: bool = False) -> float:
+    """Compile every kind of compiled step up to `seats` rows now (LLMEngine.warm_up), before any timed run; s."""
+    return LLMEngine(model, {"name": "continuous", "max_seats": seats}, 128, eos, compile=True, graphs=graphs).warm_up()
+
+
 def engine_run(model, prompts, new_tokens: int, eos, compile: bool = False, kv: str = "slot",
                graphs: bool = False) -> dict:
     """One engine run of B requests arriving together; total and first-step (prefill) seconds, cache size. kv: the

@@ -4,7 +4,8 @@
 Admission: a request is refused at once with 429 and Retry-After (integer seconds) when the queue holds
 `max_waiting` requests, or when the worker's estimate of its wait to the first token exceeds `max_queue_wait_s`
 or the request's own deadline (Retry-After: the estimate's excess over that limit, at least 1 s: the work ahead
-drains in real time). While the server drains for shutdown, new requests get 503.
+drains in real time). While the server drains for shutdown, new requests get 503; so they do while it compiles
+its steps before serving (compiled steps on: LLMEngine.warm_up), /health saying "warming up".
 
 A request's deadline is the `x-stainless-read-timeout` header (seconds, a number), which the official OpenAI
 SDKs send with every request: the client's read timeout, after which it gives up on a response that has not
@@ -92,7 +93,10 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
         rss = round(rss_mb(), 1)
         if not worker.alive and not worker.draining:
             return JSONResponse({"status": "down", "error": worker.error, "rss_mb": rss}, status_code=503)
-        state = {"running": worker.num_running, "waiting": worker.queued(), "rss_mb": rss}
+        state = {"running": worker.num_running, "waiting": worker.queued(), "rss_mb": rss,
+                 "warm_up_s": round(worker.warm_up_s, 1)}
+        if worker.warming:
+            return JSONResponse({"status": "warming up", **state}, status_code=503)
         if worker.draining:
             return JSONResponse({"status": "draining", **state}, status_code=503)
         return {"status": "ok", **state}
@@ -119,6 +123,9 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
             return error(503, "the server is shutting down; retry on another replica", None, "server_error")
         if not worker.alive:
             return error(503, "the engine is down; see /health", None, "server_error")
+        if worker.warming:
+            return error(503, "the server is compiling its steps (warming up); retry when /health says ok", None,
+                         "server_error", headers={"Retry-After": "5"})
         if worker.queued() >= worker.max_waiting:
             return error(429, f"the waiting queue is full ({worker.max_waiting} requests); retry shortly", None,
                          "rate_limit_error", headers={"Retry-After": "1"})

@@ -5,6 +5,9 @@ each step's events to the event loop in one call_soon_threadsafe. An exception f
 marks the worker down (503 and /health). drain(grace_s) stops the loop once what is in flight has finished, or
 at the grace deadline, failing what is left with a "shutdown:" event.
 
+With compiled steps, the loop first warms the engine up (LLMEngine.warm_up: every kind of compiled step, compiled
+before the first request pays for it); `warming` is true until then.
+
 Admission by time: the worker measures its step costs (exponential moving averages) and estimates, for a new
 request, the wait to its first token from the work ahead of it (see wait_estimate).
 """
@@ -46,6 +49,8 @@ class Worker(ABC):
         self.max_waiting = max_waiting
         self.inbox: queue.Queue = queue.Queue()
         self.error: str | None = None
+        self.warming = False                      # compiling the engine's steps before serving (/health: 503)
+        self.warm_up_s = 0.0                      # seconds the warm-up took (LLMEngine.warm_up)
         self.num_running = 0
         self.on_step = None                       # callback(step record, events) for metrics
         self.drain_deadline: float | None = None  # time.monotonic() s at which a drain fails what is left
@@ -111,6 +116,7 @@ class EngineWorker(Worker):
     def __init__(self, engine: LLMEngine, max_waiting: int):
         super().__init__(max_waiting)
         self.engine = engine
+        self.warming = engine.compiled  # until _loop's warm-up is done
         self.streams: dict[str, tuple] = {}       # rid -> (loop, asyncio.Queue), owned by the engine thread
         self.num_waiting = 0                      # snapshot for /metrics, refreshed every step
         self.pending: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, max tokens), submitted, not yet queued
@@ -205,6 +211,8 @@ class EngineWorker(Worker):
 
     def _loop(self):
         try:
+            self.warm_up_s = self.engine.warm_up()
+            self.warming = False
             stalled = True  # the last step ran nothing: sleep until a request arrives or a batching deadline
             while not self._stop.is_set():
                 if self.draining and (self._drain_overdue() or not (self.streams or self.pending)):

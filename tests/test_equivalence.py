@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from engine import LLMEngine, SamplingParams
 from engine.hf import generate_alone
 from engine.loader import random_model
-from engine.model import ROW_BLOCK
+from engine.model import _BUILT, ROW_BLOCK, FlatModel
 from engine.request import Status
 from engine.runner import ModelRunner
 from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
@@ -175,6 +175,43 @@ def test_compiled_decode_steps_match_generate(references):
     assert [out[str(i)] for i in range(6)] == ref, name
     assert [one["0"], one["1"]] == ref[:2], name
     assert not counters["graph_break"], dict(counters["graph_break"])  # a step is whole graphs, not eager pieces
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_every_kind_of_step_up_front(references):
+    """LLMEngine.warm_up compiles each kind of compiled step before any request: the scenario that follows (one to
+    three rows decoding, of equal and unequal lengths, on an engine of the same size) compiles nothing more, and
+    its tokens stay those of generate."""
+    from torch._dynamo.utils import counters
+
+    name, model, prompts, ref = references
+    policy = {"name": "continuous", "max_seats": 3}
+    assert LLMEngine(model, policy, 256, compile=True).warm_up() > 0
+    counters.clear()
+    out = run_scenario(model, policy, prompts, LENS, ARRIVE, compile=True)
+    assert [out[str(i)] for i in range(6)] == ref, name
+    assert not counters["stats"]["unique_graphs"], f"{name}: compiled after the warm-up"
+
+
+def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
+    """A compiler that fails (here: on its first call, as Inductor does without a C++ compiler) leaves the steps
+    eager, the reason logged once and kept; the tokens are still those of generate."""
+    name, model, prompts, ref = references
+    net = FlatModel(model)
+    monkeypatch.setitem(_BUILT, model, net)
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            calls.append(1)
+            raise RuntimeError("simulated: no C++ compiler found")
+        return run
+    calls = []
+    monkeypatch.setattr(torch, "compile", broken)
+    out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
+    assert [out[str(i)] for i in range(6)] == ref, name
+    assert calls == [1] and net.compile_error == "RuntimeError: simulated: no C++ compiler found"
+    assert [r.message for r in caplog.records if "eager" in r.message] == [
+        "compiled steps failed; running them eager from now on: RuntimeError: simulated: no C++ compiler found"]
 
 
 @pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 5}, {"name": "mixed", "max_seats": 5},
