@@ -197,7 +197,11 @@ def scoreboard(rows: list[dict], env: dict, ref: dict | None, opened: dict | Non
 
 def main(cfg):
     b = cfg.bench.server
-    main_step_s = json.loads((ROOT / "data" / "results" / "engine" / "main.json").read_text())["rows"][0]["step_s"]
+    main = ROOT / "data" / "results" / "engine" / "main.json"
+    if not main.exists():
+        raise SystemExit(f"{main.relative_to(ROOT)} is missing: the SLOs are multiples of the main replay's step; "
+                         "run `dvc repro bench_server` (it runs bench_engine@main first)")
+    main_step_s = json.loads(main.read_text())["rows"][0]["step_s"]
     slo = slo_limits(cfg.slo, main_step_s)  # relative limits: multiples of the main replay's measured step
     rows, recs, ref, opened, open_recs = [], [], None, None, pd.DataFrame()
     t = cfg.bench.target

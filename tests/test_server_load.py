@@ -210,6 +210,16 @@ def test_bench_waits_out_a_warm_up_but_not_forever(chat_model, monkeypatch):
         assert time.monotonic() - t0 >= 0.5 and killed == [1]
 
 
+def test_bench_without_the_main_replay_says_what_to_run(tmp_path, monkeypatch):
+    """bench_server alone on a fresh checkout (no data/results yet): a message naming the command, no traceback."""
+    import pipeline.bench_server as bench
+    from pipeline.config import compose_config
+
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match=r"main\.json is missing.*`dvc repro bench_server`"):
+        bench.main(compose_config([]))
+
+
 def test_engine_failure_fails_requests_and_shows_on_health(chat_model):
     with Server(*chat_model, {"name": "continuous", "max_seats": 2}) as s:
         def boom():
