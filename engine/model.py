@@ -128,6 +128,17 @@ def _taken(*args, **kwargs):
                        "load it again to run it")
 
 
+def _keep_inductor_cache() -> None:
+    """Inductor's cache beside kernels.json (kept across runs and reboots, unlike its default under /tmp), unless
+    TORCHINDUCTOR_CACHE_DIR names another place (importing torch sets it to that default)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # Inductor only where steps compile
+    from torch._inductor.utils import clear_caches
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernels.cache_dir() / "inductor")
+        clear_caches()  # paths Inductor derived from the old place
+
+
 class FlatModel:
     def __init__(self, hf_model, take: bool = False, kernel: str | None = None, remeasure: bool = False):
         """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
@@ -237,8 +248,8 @@ class FlatModel:
         instead of ~70 eager operators per layer, the elementwise ones fused (on 2 AVX2 cores 1.04x eager's decode
         rate at 1 and 64 rows, SmolLM2's shapes cut to 4 layers).
         Each kind of step (one row; several; several of one length; per kernel row bucket) is compiled once per
-        process, from Inductor's disk cache when it has the graph (kernels.cache_dir()/inductor unless
-        TORCHINDUCTOR_CACHE_DIR is set; LLMEngine.warm_up compiles them all up front); cold, the whole SmolLM2 step
+        process, from Inductor's disk cache when it has the graph (_keep_inductor_cache; LLMEngine.warm_up compiles
+        them all up front); cold, the whole SmolLM2 step
         took tens of minutes on 2 AVX2 cores. Where compiling fails, those steps run eager from then on, the
         reason logged once and kept in `compile_error`.
         graphs: pad those steps to a few shapes (see _bucketed); with `compiled` on CUDA each shape is captured
@@ -249,7 +260,7 @@ class FlatModel:
         if graphs:
             ids, plan, logit_rows = self._bucketed(ids, plan, cache)
         if compiled and self._compiled is None:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(kernels.cache_dir() / "inductor"))  # kept across runs
+            _keep_inductor_cache()
             # a graph per kind of step (row bucket, masked or not; with graphs, per padded shape): more than 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             torch.fx.experimental._config.use_duck_shape = False  # sizes equal by chance (rows, heads) stay apart

@@ -1,13 +1,14 @@
 """The product each weight shape uses per row count (engine/kernels.py): every choice gives generate's tokens, the
 choice is measured once per machine and read back from the cache, and only the chosen layouts are held."""
 import json
+import os
 
 import pytest
 import torch
 
 from engine import kernels
 from engine.hf import generate_alone
-from engine.model import FlatModel, _BUILT
+from engine.model import FlatModel, _BUILT, _keep_inductor_cache
 from pipeline.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 
 CPU = kernels.candidates(torch.device("cpu"), torch.float32)
@@ -188,3 +189,17 @@ def test_compiled_steps_call_the_packed_products_whole(references, kind, monkeyp
     out = run_scenario(model, POLICIES[0], prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, f"{name} {kind}"
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_inductor_cache_is_kept_beside_the_kernel_choice_unless_set(tmp_path, monkeypatch):
+    """Compiled steps keep Inductor's cache in LAB_CACHE_DIR/inductor instead of its default under /tmp (which
+    importing torch puts in TORCHINDUCTOR_CACHE_DIR); a place the user named stays."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    _keep_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    _keep_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
