@@ -15,9 +15,7 @@ Steps of decodes only may run through torch.compile (forward's `compiled`).
 A config is checked first (check_config): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
-import logging
 import math
-import os
 import weakref
 from dataclasses import dataclass, replace
 
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.compiled import CompiledStep
 from engine.kernels import Dense
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -53,7 +52,6 @@ class AttentionPlan:
     pre_keys: torch.Tensor | None = None  # paged: [P, KV, Lp] cache rows of each chunk's keys (pre_shape's Lp)
 
 
-log = logging.getLogger(__name__)
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Hugging Face model -> its FlatModel
 
 
@@ -128,17 +126,6 @@ def _taken(*args, **kwargs):
                        "load it again to run it")
 
 
-def _keep_inductor_cache() -> None:
-    """Inductor's cache beside kernels.json (kept across runs and reboots, unlike its default under /tmp), unless
-    TORCHINDUCTOR_CACHE_DIR names another place (importing torch sets it to that default)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # Inductor only where steps compile
-    from torch._inductor.utils import clear_caches
-
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernels.cache_dir() / "inductor")
-        clear_caches()  # paths Inductor derived from the old place
-
-
 class FlatModel:
     def __init__(self, hf_model, take: bool = False, kernel: str | None = None, remeasure: bool = False):
         """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
@@ -180,8 +167,7 @@ class FlatModel:
                     _release([a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
         if take:
             hf_model.forward = _taken
-        self._compiled = None  # _forward through torch.compile, made on first use; False once compiling failed
-        self.compile_error: str | None = None  # why compiled steps fell back to eager (logged once), if they did
+        self.compiled_step = CompiledStep(self._forward)  # decode-only steps through torch.compile (forward)
         self.kernels = self._choose_kernels(kernel, remeasure)  # (in, out) -> {"choice": per bucket, "ms": timings}
 
     def _choose_kernels(self, kernel: str | None, remeasure: bool) -> dict:
@@ -248,10 +234,9 @@ class FlatModel:
         instead of ~70 eager operators per layer, the elementwise ones fused (on 2 AVX2 cores 1.04x eager's decode
         rate at 1 and 64 rows, SmolLM2's shapes cut to 4 layers).
         Each kind of step (one row; several; several of one length; per kernel row bucket) is compiled once per
-        process, from Inductor's disk cache when it has the graph (_keep_inductor_cache; LLMEngine.warm_up compiles
-        them all up front); cold, the whole SmolLM2 step
-        took tens of minutes on 2 AVX2 cores. Where compiling fails, those steps run eager from then on, the
-        reason logged once and kept in `compile_error`.
+        process, from Inductor's disk cache when it has the graph (engine/compiled.py; LLMEngine.warm_up compiles
+        them all up front); cold, the whole SmolLM2 step took tens of minutes on 2 AVX2 cores. Where compiling
+        fails, those steps run eager from then on, the reason logged once and kept in `compiled_step.error`.
         graphs: pad those steps to a few shapes (see _bucketed); with `compiled` on CUDA each shape is captured
         once as a CUDA graph (mode "reduce-overhead") and replayed, so a decode step is one launch."""
         if not (plan.dec_dense and (compiled or graphs)):
@@ -259,25 +244,9 @@ class FlatModel:
         n = logit_rows.shape[0]
         if graphs:
             ids, plan, logit_rows = self._bucketed(ids, plan, cache)
-        if compiled and self._compiled is None:
-            _keep_inductor_cache()
-            # a graph per kind of step (row bucket, masked or not; with graphs, per padded shape): more than 8
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            torch.fx.experimental._config.use_duck_shape = False  # sizes equal by chance (rows, heads) stay apart
-            cuda_graphs = graphs and self.embed.device.type == "cuda"
-            if cuda_graphs:  # the cache is written inside the graph: its tensors must keep their addresses
-                for t in cache.k + cache.v:
-                    torch._dynamo.mark_static_address(t)
-            self._compiled = torch.compile(self._forward, dynamic=True,
-                                           mode="reduce-overhead" if cuda_graphs else None)
-        if compiled and self._compiled is not False:
-            try:
-                logits = self._compiled(ids, plan, cache, logit_rows)
-            except Exception as exc:  # no C++ compiler, an operator Inductor cannot lower...: eager from now on
-                self.compile_error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-                log.warning("compiled steps failed; running them eager from now on: %s", self.compile_error)
-                self._compiled = False
-                logits = self._forward(ids, plan, cache, logit_rows)  # rewrites the same cache rows, if any were
+        if compiled:
+            logits = self.compiled_step(ids, plan, cache, logit_rows, static=lambda: cache.k + cache.v,
+                                        cuda_graphs=graphs and self.embed.device.type == "cuda")
         else:
             logits = self._forward(ids, plan, cache, logit_rows)
         return logits[:n].clone() if graphs else logits  # a graph's outputs are overwritten by its next replay

@@ -98,3 +98,12 @@ def metric(url: str, name: str, **labels) -> float:
 
 ONE_SEAT = {"engine": {"name": "continuous", "max_seats": 1},
             "batcher": {"name": "generate", "max_batch": 1, "max_wait_ms": 0}}
+
+
+def warming_up(monkeypatch, seconds: float) -> threading.Event:
+    """Engines made from now on report compiled steps and warm up (LLMEngine.warm_up) until the returned event is
+    set, then report `seconds`; their steps themselves stay eager."""
+    release = threading.Event()
+    monkeypatch.setattr(LLMEngine, "compiled", property(lambda self: True))
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: seconds if release.wait(30) else 0.0)
+    return release

@@ -209,7 +209,7 @@ def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
     monkeypatch.setattr(torch, "compile", broken)
     out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
-    assert calls == [1] and net.compile_error == "RuntimeError: simulated: no C++ compiler found"
+    assert calls == [1] and net.compiled_step.error == "RuntimeError: simulated: no C++ compiler found"
     assert [r.message for r in caplog.records if "eager" in r.message] == [
         "compiled steps failed; running them eager from now on: RuntimeError: simulated: no C++ compiler found"]
 

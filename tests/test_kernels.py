@@ -8,7 +8,8 @@ import torch
 
 from engine import kernels
 from engine.hf import generate_alone
-from engine.model import FlatModel, _BUILT, _keep_inductor_cache
+from engine.compiled import keep_inductor_cache
+from engine.model import FlatModel, _BUILT
 from pipeline.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 
 CPU = kernels.candidates(torch.device("cpu"), torch.float32)
@@ -198,8 +199,8 @@ def test_inductor_cache_is_kept_beside_the_kernel_choice_unless_set(tmp_path, mo
 
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
-    _keep_inductor_cache()
+    keep_inductor_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    _keep_inductor_cache()
+    keep_inductor_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")

@@ -15,9 +15,9 @@ import httpx
 import openai
 import pytest
 
-from engine import LLMEngine
 from servers.worker import EngineWorker
-from tests.serving import BACKENDS, ONE_SEAT, Server, client, free_port, metric, slow_steps, wait_for
+from tests.serving import (BACKENDS, ONE_SEAT, Server, client, free_port, metric, slow_steps, wait_for,
+                           warming_up)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -175,9 +175,7 @@ def test_requests_wait_for_the_warm_up(chat_model, monkeypatch):
     """An engine with compiled steps is warmed up (LLMEngine.warm_up) before it serves: meanwhile /health is 503
     "warming up" and a request gets 503 with Retry-After; then both are served, /health giving the warm-up's
     seconds."""
-    release = threading.Event()
-    monkeypatch.setattr(LLMEngine, "compiled", property(lambda self: True))
-    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: 2.5 if release.wait(30) else 0.0)
+    release = warming_up(monkeypatch, 2.5)
     with Server(*chat_model, {"name": "continuous", "max_seats": 2}) as s:
         h = httpx.get(f"{s.url}/health")
         assert h.status_code == 503 and h.json()["status"] == "warming up"
@@ -188,36 +186,6 @@ def test_requests_wait_for_the_warm_up(chat_model, monkeypatch):
         assert httpx.get(f"{s.url}/health").json()["warm_up_s"] == 2.5
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
-
-
-def test_bench_waits_out_a_warm_up_but_not_forever(chat_model, monkeypatch):
-    """bench_server.wait_ready: a server that answers "warming up" is waited for past timeout_s (up to warm_s
-    from its start), and killed with an error when still warming up at warm_s."""
-    from pipeline.bench_server import wait_ready
-
-    release = threading.Event()
-    monkeypatch.setattr(LLMEngine, "compiled", property(lambda self: True))
-    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: 1.0 if release.wait(30) else 0.0)
-    with Server(*chat_model, {"name": "continuous", "max_seats": 2}) as s:
-        killed = []
-        proc = SimpleNamespace(poll=lambda: None, kill=lambda: killed.append(1))
-        with pytest.raises(RuntimeError, match="did not come up"):
-            wait_ready(proc, s.port, "warming", timeout_s=0.2, warm_s=1.0)
-        assert killed == [1]
-        threading.Timer(1.0, release.set).start()
-        t0 = time.monotonic()
-        assert wait_ready(proc, s.port, "warming", timeout_s=0.2, warm_s=30) is proc
-        assert time.monotonic() - t0 >= 0.5 and killed == [1]
-
-
-def test_bench_without_the_main_replay_says_what_to_run(tmp_path, monkeypatch):
-    """bench_server alone on a fresh checkout (no data/results yet): a message naming the command, no traceback."""
-    import pipeline.bench_server as bench
-    from pipeline.config import compose_config
-
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    with pytest.raises(SystemExit, match=r"main\.json is missing.*`dvc repro bench_server`"):
-        bench.main(compose_config([]))
 
 
 def test_engine_failure_fails_requests_and_shows_on_health(chat_model):
