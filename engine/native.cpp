@@ -1,0 +1,328 @@
+// Fused fp32 CPU kernels for the steps' small operators, registered as torch.ops.lab.* (built by engine/native.py).
+// Each replaces several ATen calls (and their temporaries) with one pass over the data, vectorized with ATen's
+// Vectorized<float> (AVX-512, AVX2 or scalar, as built), parallel over rows with at::parallel_for.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+constexpr int64_t GRAIN = 1 << 15;  // floats of work below which a loop stays on one thread
+
+static void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": a float32 CPU tensor is needed");
+  TORCH_CHECK(t.stride(-1) == 1, name, ": its last dimension must be contiguous");
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + W <= n; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+static inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a * x
+  int64_t d = 0;
+  for (; d + W <= n; d += W) at::vec::fmadd(Vec(a), Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < n; ++d) y[d] += a * x[d];
+}
+
+// x [T, N] (rows may be strided), w [N] -> x * rsqrt(mean(x^2) + eps) * w, [T, N] contiguous
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check(x, "x");
+  check(w, "w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: x [T, N] and w [N] are needed");
+  const int64_t T = x.size(0), N = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({T, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* r = xp + t * xs;
+      float* o = op + t * N;
+      const float inv = 1.f / std::sqrt(dot(r, r, N) / N + static_cast<float>(eps));
+      int64_t d = 0;
+      for (; d + W <= N; d += W) (Vec::loadu(r + d) * Vec(inv) * Vec::loadu(wp + d)).store(o + d);
+      for (; d < N; ++d) o[d] = r[d] * inv * wp[d];
+    }
+  });
+  return out;
+}
+
+// gu [T, 2I] (gate, then up) -> silu(gate) * up, [T, I]
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check(gu, "gu");
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: gu [T, 2I] is needed");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, gs = gu.stride(0);
+  at::Tensor out = at::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, GRAIN / I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *g = gp + t * gs, *u = g + I;
+      float* o = op + t * I;
+      int64_t d = 0;
+      for (; d + W <= I; d += W) {
+        Vec x = Vec::loadu(g + d);
+        (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + d)).store(o + d);
+      }
+      for (; d < I; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
+    }
+  });
+  return out;
+}
+
+// qk [T, heads, D] in place: x * cos + swap_halves(x) * sin, cos and sin [T, D] (sin's first half negated)
+void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
+  check(qk, "qk");
+  check(cos, "cos");
+  check(sin, "sin");
+  TORCH_CHECK(qk.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qk.size(0) &&
+                  cos.size(1) == qk.size(2) && qk.size(2) % 2 == 0,
+              "rotary_: qk [T, heads, D], cos and sin [T, D] are needed");
+  const int64_t T = qk.size(0), Hd = qk.size(1), D = qk.size(2), h = D / 2;
+  const int64_t qs = qk.stride(0), hs = qk.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  float* qp = qk.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, GRAIN / (Hd * D)), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = cp + t * cs, *s = sp + t * ss;
+      for (int64_t j = 0; j < Hd; ++j) {
+        float* x = qp + t * qs + j * hs;
+        int64_t d = 0;
+        for (; d + W <= h; d += W) {
+          Vec a = Vec::loadu(x + d), b = Vec::loadu(x + h + d);
+          at::vec::fmadd(a, Vec::loadu(c + d), b * Vec::loadu(s + d)).store(x + d);
+          at::vec::fmadd(b, Vec::loadu(c + h + d), a * Vec::loadu(s + h + d)).store(x + h + d);
+        }
+        for (; d < h; ++d) {
+          const float a = x[d], b = x[h + d];
+          x[d] = a * c[d] + b * s[d];
+          x[h + d] = b * c[h + d] + a * s[h + d];
+        }
+      }
+    }
+  });
+}
+
+// dst [N, D] in place: row rows[i] = src's i-th row, src [T, heads, D] (any strides but the last), i = t * heads + j
+void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) {
+  check(dst, "dst");
+  check(src, "src");
+  TORCH_CHECK(dst.dim() == 2 && dst.is_contiguous() && src.dim() == 3 && src.size(2) == dst.size(1) &&
+                  rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == src.size(0) * src.size(1),
+              "write_rows_: dst [N, D] contiguous, rows [T * heads] int64, src [T, heads, D] are needed");
+  const int64_t T = src.size(0), Hd = src.size(1), D = src.size(2), N = dst.size(0);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * Hd; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < N, "write_rows_: row ", r[i], " out of range");
+  float* dp = dst.data_ptr<float>();
+  const float* sp = src.data_ptr<float>();
+  at::parallel_for(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      std::copy_n(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), D, dp + r[i] * D);
+  });
+}
+
+// One sequence's keys and values under one kv head: position l at row `rows[l]` (a paged cache's block rows) or
+// l (a slot cache's view) of k and v, rows `ks` and `vs` floats apart.
+struct Keys {
+  const float *k, *v;
+  int64_t ks, vs;
+  const int64_t* rows;
+  const float* key(int64_t l) const { return k + (rows ? rows[l] : l) * ks; }
+  const float* value(int64_t l) const { return v + (rows ? rows[l] : l) * vs; }
+};
+
+static inline bool masked(const float* b, int64_t l) { return b && b[l] == -std::numeric_limits<float>::infinity(); }
+
+// R query rows (qs floats apart) of a GQA group against L keys, rows NV vectors long: scores into p [R, L] (-inf
+// where the additive bias b masks; null: none), with R x NV accumulators in registers over all keys.
+template <int NV, int R>
+static void group_scores(const float* q, int64_t qs, const Keys& kv, const float* b, float sc, int64_t L, float* p) {
+  Vec qv[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) qv[r][n] = Vec::loadu(q + r * qs + n * W);
+  for (int64_t l = 0; l < L; ++l) {
+    if (masked(b, l)) {  // the key is never read
+      for (int r = 0; r < R; ++r) p[r * L + l] = b[l];
+      continue;
+    }
+    const float* kl = kv.key(l);
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = qv[r][0] * Vec::loadu(kl);
+    for (int n = 1; n < NV; ++n) {
+      const Vec k = Vec::loadu(kl + n * W);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(qv[r][n], k, acc[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      p[r * L + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[r]) * sc +
+                     (b ? b[l] : 0.f);
+  }
+}
+
+// o [R, D] = p [R, L] (probabilities) times the values, masked ones unread.
+template <int NV, int R>
+static void group_values(const float* p, const Keys& kv, const float* b, int64_t L, float* o, int64_t D) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) acc[r][n] = Vec(0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    if (masked(b, l)) continue;
+    const float* vl = kv.value(l);
+    for (int n = 0; n < NV; ++n) {
+      const Vec v = Vec::loadu(vl + n * W);
+      for (int r = 0; r < R; ++r) acc[r][n] = at::vec::fmadd(Vec(p[r * L + l]), v, acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) acc[r][n].store(o + r * D + n * W);
+}
+
+// A whole group of G rows, at most 4 at a time (4 x NV accumulators): scores, or (`values`) the weighted sum.
+template <int NV>
+static void group(const float* q, int64_t qs, const Keys& kv, const float* b, float sc, int64_t G, int64_t L,
+                  float* p, float* o, int64_t D, bool values) {
+  for (int64_t j = 0; j < G; j += 4) {
+    const int64_t R = std::min<int64_t>(4, G - j);
+    if (!values) {
+      auto f = R == 4 ? group_scores<NV, 4> : R == 3 ? group_scores<NV, 3> : R == 2 ? group_scores<NV, 2>
+                                                                                    : group_scores<NV, 1>;
+      f(q + j * qs, qs, kv, b, sc, L, p + j * L);
+    } else {
+      auto f = R == 4 ? group_values<NV, 4> : R == 3 ? group_values<NV, 3> : R == 2 ? group_values<NV, 2>
+                                                                                    : group_values<NV, 1>;
+      f(p + j * L, kv, b, L, o + j * D, D);
+    }
+  }
+}
+
+// The same for any head dim, one row and one key at a time.
+static void group_any(const float* q, int64_t qs, const Keys& kv, const float* b, float sc, int64_t G, int64_t L,
+                      float* p, float* o, int64_t D, bool values) {
+  if (values) std::fill_n(o, G * D, 0.f);
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t l = 0; l < L; ++l) {
+      if (!values)
+        p[j * L + l] = masked(b, l) ? b[l] : dot(q + j * qs, kv.key(l), D) * sc + (b ? b[l] : 0.f);
+      else if (!masked(b, l))
+        axpy(p[j * L + l], kv.value(l), o + j * D, D);
+    }
+}
+
+using GroupFn = decltype(&group_any);
+
+static GroupFn group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 128 floats with AVX-512)
+  if (D % W) return group_any;
+  switch (D / W) {
+    case 1: return group<1>;
+    case 2: return group<2>;
+    case 3: return group<3>;
+    case 4: return group<4>;
+    case 5: return group<5>;
+    case 6: return group<6>;
+    case 8: return group<8>;
+    default: return group_any;
+  }
+}
+
+// softmax(scale * q k^T + bias) v for q [S, H, D], the keys of (sequence s, kv head h) given by `keys(s, h)`,
+// bias [S, L] additive (-inf: that key is never read) or none; [S, H, D].
+template <typename KeysOf>
+static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, const std::optional<at::Tensor>& bias,
+                         double scale, const KeysOf& keys) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), G = H / KV;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t bs = bp ? bias->stride(0) : 0;
+  at::Tensor out = at::empty({S, H, D}, q.options());  // every row written by its group
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const GroupFn fn = group_for(D);
+  at::parallel_for(0, S * KV, std::max<int64_t>(1, GRAIN / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(G * L);  // [G, L] scores, then probabilities
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / KV, h = i % KV;
+      const float *qb = qp + s * q.stride(0) + h * G * q.stride(1), *b = bp ? bp + s * bs : nullptr;
+      const Keys kv = keys(s, h);
+      float* ob = op + (s * H + h * G) * D;
+      fn(qb, q.stride(1), kv, b, sc, G, L, p.data(), ob, D, false);
+      for (int64_t j = 0; j < G; ++j) {  // softmax over each row, in place
+        float* r = p.data() + j * L;
+        const float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, L);
+        at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, r, r, L);
+        const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r, L);
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, r, r, L);
+      }
+      fn(qb, q.stride(1), kv, b, sc, G, L, p.data(), ob, D, true);
+    }
+  });
+  return out;
+}
+
+// One query per sequence, q [S, H, D], against k and v [S, KV, L, D] (any strides but the last: a slot cache's view).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& bias, double scale) {
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(3) && q.size(1) % k.size(1) == 0,
+              "decode_attention: q [S, H, D], k and v [S, KV, L, D] are needed");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  return attend(q, k.size(1), k.size(2), bias, scale, [&](int64_t s, int64_t h) {
+    return Keys{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
+                v.stride(2), nullptr};
+  });
+}
+
+// The same against a paged cache read in place: k and v [N, D] (every block's rows), rows [S, KV, L] the row of
+// each (sequence, kv head, position).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& rows, const std::optional<at::Tensor>& bias, double scale) {
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 2 && k.sizes() == v.sizes() && q.size(2) == k.size(1) && rows.dim() == 3 &&
+                  rows.size(0) == q.size(0) && q.size(1) % rows.size(1) == 0 && rows.is_contiguous() &&
+                  rows.scalar_type() == at::kLong,
+              "paged_decode_attention: q [S, H, D], k and v [N, D], rows [S, KV, L] contiguous int64 are needed");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t KV = rows.size(1), L = rows.size(2);
+  return attend(q, KV, L, bias, scale, [&](int64_t s, int64_t h) {
+    return Keys{kp, vp, k.stride(0), v.stride(0), rp + (s * KV + h) * L};
+  });
+}
+
+TORCH_LIBRARY(lab, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+  m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor? bias, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lab, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("rotary_", rotary_);
+  m.impl("write_rows_", write_rows_);
+  m.impl("decode_attention", decode_attention);
+  m.impl("paged_decode_attention", paged_decode_attention);
+}

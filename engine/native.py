@@ -1,0 +1,77 @@
+"""The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
+decode_attention, paged_decode_attention), built once per machine with the system's C++ compiler for the vector instructions torch
+uses here (AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the source, torch's version
+and the flags (about 10 s on 2 cores). Where building or loading fails, `ops()` is None and the steps run ATen's
+operators instead; the reason is logged once and kept in `error`.
+"""
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine import kernels
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("native.cpp")
+ISA = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+       "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}  # torch's CPU capability -> compiler flags
+error: str | None = None  # why the kernels are not there, once tried
+_loaded = False
+
+
+def _flags() -> list[str]:
+    from torch.utils import cpp_extension  # include and library folders of this torch
+
+    isa = ISA.get(torch.backends.cpu.get_cpu_capability(), [])
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    libs = cpp_extension.library_paths()
+    return (["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", abi, *isa]
+            + [f"-I{p}" for p in cpp_extension.include_paths()]
+            + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu"])
+
+
+def _build() -> Path:
+    """The shared library for this source, torch and machine: compiled unless the cache has it."""
+    flags = _flags()
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
+    lib = kernels.cache_dir() / "native" / f"lab_{key[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "g++")
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written library
+        out = Path(tmp) / lib.name
+        done = subprocess.run([cxx, str(SOURCE), "-o", str(out), *flags], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(out, lib)
+    return lib
+
+
+def _register_fakes() -> None:
+    """Output shapes without running the kernels, for torch.compile's tracing."""
+    fake = torch.library.register_fake
+    fake("lab::rms_norm")(lambda x, w, eps: x.new_empty(x.shape))
+    fake("lab::silu_mul")(lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2))
+    fake("lab::rotary_")(lambda qk, cos, sin: None)
+    fake("lab::write_rows_")(lambda dst, rows, src: None)
+    fake("lab::decode_attention")(lambda q, k, v, bias, scale: q.new_empty(q.shape))
+    fake("lab::paged_decode_attention")(lambda q, k, v, rows, bias, scale: q.new_empty(q.shape))
+
+
+def ops():
+    """torch.ops.lab once the kernels are loaded, else None (the first failure logged, kept in `error`)."""
+    global error, _loaded
+    if not _loaded and error is None:
+        try:
+            torch.ops.load_library(str(_build()))
+            _register_fakes()
+            _loaded = True
+        except Exception as exc:  # no compiler, a header torch does not ship...: ATen's operators instead
+            error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            log.warning("fused CPU kernels unavailable; using ATen's operators: %s", error)
+    return torch.ops.lab if _loaded else None

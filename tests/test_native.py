@@ -1,0 +1,156 @@
+"""The fused fp32 CPU kernels (engine/native.cpp): each equals the ATen operators it replaces, masked keys are never
+read, the library is built once per machine, and a failed build leaves the steps on ATen's operators."""
+import logging
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import native
+from engine.model import FlatModel, _BUILT
+from engine.hf import generate_alone
+from pipeline.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
+
+HAS_CXX = shutil.which("g++") is not None
+lab = native.ops()
+needs_lab = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
+
+
+def test_kernels_build_wherever_a_compiler_is():
+    """Not a skip in disguise: with g++ on the PATH the kernels must build and load."""
+    if not HAS_CXX:
+        pytest.skip("no g++ on the PATH")
+    assert lab is not None, native.error
+
+
+@needs_lab
+@pytest.mark.parametrize("n", [576, 20, 7])  # a multiple of any vector width, and tails
+def test_rms_norm_and_silu_mul_equal_aten(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, 2 * n, generator=g)[:, :n]  # rows strided
+    w = torch.randn(n, generator=g)
+    torch.testing.assert_close(lab.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5))
+    gu = torch.randn(5, 3 * n, generator=g)[:, :2 * n]  # gate then up, rows strided
+    torch.testing.assert_close(lab.silu_mul(gu), F.silu(gu[:, :n]) * gu[:, n:])
+
+
+@needs_lab
+@pytest.mark.parametrize("d", [64, 24, 6])
+def test_rotary_equals_the_swapped_halves_form(d):
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(4, 5 * d, generator=g)
+    qk = qkv[:, :3 * d].view(4, 3, d)  # a view inside the fused projection's rows
+    cos, sin = torch.randn(4, 1, d, generator=g), torch.randn(4, 1, d, generator=g)
+    want = qk.view(4, 3, 2, d // 2).flip(2).view(qk.shape) * sin + qk * cos
+    v = qkv[:, 3 * d:].clone()
+    lab.rotary_(qk, cos[:, 0], sin[:, 0])
+    torch.testing.assert_close(qk, want)
+    assert torch.equal(qkv[:, 3 * d:], v)  # the rest of the row untouched
+
+
+def reference_attention(q, k, v, bias, scale):
+    S, KV, L, D = k.shape
+    scores = torch.einsum("skgd,skld->skgl", q.view(S, KV, -1, D), k) * scale
+    if bias is not None:
+        scores = scores + bias[:, None, None, :]
+    return torch.einsum("skgl,skld->skgd", scores.softmax(-1), v).reshape(q.shape)
+
+
+@needs_lab
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (4, 4, 16), (14, 2, 64), (8, 1, 128), (6, 2, 20)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_equals_softmax_attention(heads, kv, d, masked):
+    """GQA groups of 1 to 8 query heads (remainders past 4), head dims that are and are not whole vectors, keys a
+    strided view of a larger cache; masked keys hold NaN, which must never be read."""
+    g = torch.Generator().manual_seed(heads * d)
+    S, L, cap = 5, 37, 50
+    cache_k, cache_v = torch.randn(S + 2, kv, cap, d, generator=g), torch.randn(S + 2, kv, cap, d, generator=g)
+    k, v = cache_k[:S, :, :L], cache_v[:S, :, :L]
+    q = torch.randn(S, heads, d, generator=g)
+    bias = None
+    if masked:
+        lens = torch.tensor([1, 9, 17, 36, 37])
+        bias = torch.zeros(S, L).masked_fill_(torch.arange(L)[None] >= lens[:, None], -torch.inf)
+        want = reference_attention(q, k, v, bias, 0.125)
+        cache_k[:S, :, :L][bias.isinf()[:, None, :].expand(S, kv, L)] = torch.nan
+        cache_v[:S, :, :L][bias.isinf()[:, None, :].expand(S, kv, L)] = torch.nan
+    else:
+        want = reference_attention(q, k, v, bias, 0.125)
+    torch.testing.assert_close(lab.decode_attention(q, k, v, bias, 0.125), want)
+
+
+@needs_lab
+def test_paged_decode_attention_reads_the_blocks_in_place():
+    """Through a paged cache's rows: the same as attention over the gathered keys; masked rows hold NaN, unread."""
+    from engine.kv_cache import PagedCache
+
+    g = torch.Generator().manual_seed(0)
+    cache = PagedCache(1, 12, 4, 2, 16)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    tables = torch.tensor([[3, 7, 1], [10, 0, 5]])  # blocks in no order, 12 positions each
+    rows = cache.keys(tables)
+    bias = torch.zeros(2, 12)
+    bias[1, 9:] = -torch.inf
+    q = torch.randn(2, 6, 16, generator=g)
+    want = reference_attention(q, *cache.gather(0, rows), bias, 0.25)
+    cache.k[0].view(-1, 16)[rows[1, :, 9:].reshape(-1)] = torch.nan
+    cache.v[0].view(-1, 16)[rows[1, :, 9:].reshape(-1)] = torch.nan
+    got = lab.paged_decode_attention(q, cache.k[0].view(-1, 16), cache.v[0].view(-1, 16), rows, bias, 0.25)
+    torch.testing.assert_close(got, want)
+
+
+@needs_lab
+def test_kernels_refuse_what_they_do_not_compute():
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        lab.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="q \\[S, H, D\\]"):
+        lab.decode_attention(torch.ones(2, 3, 8), torch.ones(2, 2, 4, 8), torch.ones(2, 2, 4, 8), None, 1.0)
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no g++ on the PATH")
+def test_library_is_built_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    lib = native._build()
+    assert lib.parent == tmp_path / "native" and lib.stat().st_size > 0
+    assert list(lib.parent.iterdir()) == [lib]  # nothing half-written left beside it
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again although cached")
+
+    monkeypatch.setattr(subprocess, "run", no_compiling)
+    assert native._build() == lib
+
+
+def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch, caplog):
+    """No compiler: ops() is None with the reason logged once and kept, and the model runs ATen's operators,
+    giving generate's tokens."""
+    monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "error", None)
+    with caplog.at_level(logging.WARNING, logger="engine.native"):
+        assert native.ops() is None and native.ops() is None
+    assert "no-such-compiler" in native.error
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    net = FlatModel(tiny_llama)
+    assert net.native is None
+    prompts = scenario_prompts(tiny_llama, None)
+    monkeypatch.setitem(_BUILT, tiny_llama, net)
+    out = run_scenario(tiny_llama, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE)
+    assert [out[str(i)] for i in range(6)] == [generate_alone(tiny_llama, p, n) for p, n in zip(prompts, LENS)]
+
+
+@needs_lab
+@pytest.mark.parametrize("fused", [True, False])
+def test_both_paths_give_generates_tokens(tiny, fused, monkeypatch):
+    name, model = tiny
+    net = FlatModel(model, fused=fused)
+    assert (net.native is not None) == fused
+    prompts = scenario_prompts(model, None)
+    monkeypatch.setitem(_BUILT, model, net)
+    for policy in ({"name": "continuous", "max_seats": 3}, {"name": "chunked", "max_seats": 3, "token_budget": 16}):
+        out = run_scenario(model, policy, prompts, LENS, ARRIVE)
+        assert [out[str(i)] for i in range(6)] == [generate_alone(model, p, n) for p, n in zip(prompts, LENS)], name
