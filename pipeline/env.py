@@ -2,8 +2,8 @@
 
 A fingerprint names what can change a measurement: the CPU (model and the instruction sets the kernels use), cores
 and threads used, memory, GPUs, the versions of torch, transformers and the model package, and whether the engine's
-fused CPU kernels (engine/native.py) built here. Its `id` is a hash
-of those fields, so two results files were made on the same machine exactly when their ids are equal.
+fused CPU kernels (engine/native.py) built here. Its `id` is a hash of those fields, so two results files were made
+on the same machine exactly when their ids are equal.
 """
 import hashlib
 import importlib.metadata
