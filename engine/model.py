@@ -13,7 +13,7 @@ On a paged cache both parts gather each sequence's keys through its block table 
 into one contiguous tensor, then run the same two calls; the fused decode kernel reads them in place instead.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
 On fp32 CPUs the norms, rotary, SiLU x up, KV writes and decode attention run as fused kernels (engine/native.cpp)
-where they build, ATen's operators otherwise (`native`).
+where they build, ATen's operators otherwise (`fused`).
 A config is checked first (engine/support.py): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
@@ -88,7 +88,7 @@ class FlatModel:
         layout (the weights then exist once, and the peak is one copy plus one layer); it can no longer run.
         kernel: one product for every matrix and row count (a kernels.candidates name); None: each shape's
         measured choice (engine/kernels.py), `remeasure` measuring it again.
-        fused: engine/native.cpp's kernels on an fp32 CPU, where they build (`native` is their ops, else None)."""
+        fused: engine/native.cpp's kernels on an fp32 CPU, where they build (`self.fused`: their ops, else None)."""
         cfg = hf_model.config
         self.window = check_config(hf_model)  # tokens each query attends (itself included); None = all before it
         self.num_heads = cfg.num_attention_heads
@@ -103,7 +103,7 @@ class FlatModel:
         self.act = ACTIVATIONS[cfg.hidden_act]
         m = hf_model.model
         fp32_cpu = m.embed_tokens.weight.device.type == "cpu" and m.embed_tokens.weight.dtype == torch.float32
-        self.native = native.ops() if fused and fp32_cpu else None
+        self.fused = native.ops() if fused and fp32_cpu else None
         self.embed = m.embed_tokens.weight
         self.norm = m.norm.weight
         self.rotary = m.rotary_emb
@@ -240,7 +240,7 @@ class FlatModel:
             qkv = wqkv(self._norm(x, ln1))
             qk = self._rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)  # q and k together
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
-            cache.write(i, slots, k, v, self.native)
+            cache.write(i, slots, k, v, self.fused)
             attn = self._attend(i, q, k, v, plan, cache)
             x = wo(attn.reshape(T, H * D), residual=x)  # a view on real devices (attn is contiguous)
             if T <= ROW_BLOCK:
@@ -250,15 +250,15 @@ class FlatModel:
         return self.lm_head(self._norm(x[logit_rows], self.norm)).float()
 
     def _norm(self, x, w):
-        if self.native is not None:
-            return self.native.rms_norm(x, w, self.eps)
+        if self.fused is not None:
+            return self.fused.rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _rotary(self, qk, cos, sin):
         """qk [T, heads, D]: x * cos + x with its halves swapped * sin (cos, sin [T, 1, D]; sin's first half
         negated); in place on the fused kernel's path."""
-        if self.native is not None:
-            self.native.rotary_(qk, cos[:, 0], sin[:, 0])
+        if self.fused is not None:
+            self.fused.rotary_(qk, cos[:, 0], sin[:, 0])
             return qk
         T, heads, D = qk.shape
         return qk.view(T, heads, 2, D // 2).flip(2).view(qk.shape).mul_(sin).addcmul_(qk, cos)
@@ -266,8 +266,8 @@ class FlatModel:
     def _mlp(self, x, ln, wgu, wd):
         """x + down(act(gate) * up) of rms_norm(x)."""
         gu = wgu(self._norm(x, ln))
-        if self.native is not None and self.act is F.silu:
-            return wd(self.native.silu_mul(gu), residual=x)
+        if self.fused is not None and self.act is F.silu:
+            return wd(self.fused.silu_mul(gu), residual=x)
         gate, up = gu.chunk(2, dim=-1)
         return wd(self.act(gate) * up, residual=x)
 
@@ -282,9 +282,9 @@ class FlatModel:
         if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
             return self._decode(q, *cache.view(layer, S, L), plan.dec_bias).view(q.shape)
         out = torch.empty_like(q)
-        if plan.dec_keys is not None and self.native is not None:  # paged: keys read in place through their rows
+        if plan.dec_keys is not None and self.fused is not None:  # paged: keys read in place through their rows
             bias = None if plan.dec_bias is None else plan.dec_bias.view(plan.dec_keys.shape[0], -1)
-            out[plan.dec_tok] = self.native.paged_decode_attention(
+            out[plan.dec_tok] = self.fused.paged_decode_attention(
                 q[plan.dec_tok], cache.k[layer].view(-1, D), cache.v[layer].view(-1, D), plan.dec_keys, bias,
                 self.attn_scale)
         elif plan.dec_keys is not None:  # paged: decode i against its own gathered keys
@@ -312,8 +312,8 @@ class FlatModel:
         stride: a view of the first seats, or a gather): two batched matmuls over the GQA groups, the softmax in
         fp32 (one fused kernel on the native path, which never reads masked keys)."""
         S, KV, L, D = k.shape
-        if self.native is not None:  # q may be strided (a view of the fused projection)
-            return self.native.decode_attention(q, k, v, None if bias is None else bias.view(S, L), self.attn_scale)
+        if self.fused is not None:  # q may be strided (a view of the fused projection)
+            return self.fused.decode_attention(q, k, v, None if bias is None else bias.view(S, L), self.attn_scale)
         k, v = k.view(S * KV, L, D), v.view(S * KV, L, D)  # no copy
         scores = torch.bmm(q.contiguous().view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
         if self.attn_scale != 1.0:

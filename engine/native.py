@@ -1,8 +1,8 @@
 """The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
-decode_attention, paged_decode_attention), built once per machine with the system's C++ compiler for the vector instructions torch
-uses here (AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the source, torch's version
-and the flags (about 10 s on 2 cores). Where building or loading fails, `ops()` is None and the steps run ATen's
-operators instead; the reason is logged once and kept in `error`.
+decode_attention, paged_decode_attention), built once per machine with the system's C++ compiler for the vector
+instructions torch uses here (AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the source,
+torch's version and the flags (about 10 s on 2 cores). Where building or loading fails, `ops()` is None and the
+steps run ATen's operators instead; the reason is logged once and kept in `error`.
 """
 import hashlib
 import logging

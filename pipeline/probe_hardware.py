@@ -27,7 +27,7 @@ PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::l
          "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax", "lab::decode_attention",
                               "lab::paged_decode_attention"),
          "RMS norms": ("aten::rms_norm", "lab::rms_norm"),
-         "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; the rest: "other operators"
+         "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; else "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
 
 
@@ -48,12 +48,12 @@ def step_split(net: FlatModel, batch: int, steps: int = 6, fused: bool = True) -
     outside operators (Python, scheduling, sampling bookkeeping), ms per step. The profiler adds a few
     microseconds to each operator, so the profiled step is longer than the plain one. fused: the net's fused CPU
     kernels (engine/native.py) if it has them, else ATen's operators alone."""
-    ops = net.native
-    net.native = ops if fused else None
+    ops = net.fused
+    net.fused = ops if fused else None
     try:
-        return {**_split(net, batch, steps), "kernels": "fused" if net.native is not None else "ATen"}
+        return {**_split(net, batch, steps), "kernels": "fused" if net.fused is not None else "ATen"}
     finally:
-        net.native = ops
+        net.fused = ops
 
 
 def _split(net: FlatModel, batch: int, steps: int) -> dict:
@@ -95,7 +95,7 @@ def main(cfg) -> dict:
         floors.append({"batch": b, "measured_ms": measured, "tok_s_ceiling": b / measured * 1e3,
                        "roofline_ms": max(mem_ms, math_ms), "intensity": 2 * params * b / weight_bytes,
                        "regime": "memory-bound" if mem_ms >= math_ms else "compute-bound"})
-    both = (True, False) if net.native is not None else (True,)  # fused kernels, then ATen's, where both run
+    both = (True, False) if net.fused is not None else (True,)  # fused kernels, then ATen's, where both run
     split = [step_split(net, b, fused=f) for b in SPLIT_BATCHES for f in both] if dev == "cpu" else []  # GPU: async
     kv = net.kv_bytes_per_token
     total = torch.cuda.get_device_properties(0).total_memory if dev.startswith("cuda") else \

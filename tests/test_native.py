@@ -124,6 +124,18 @@ def test_library_is_built_once_per_machine(tmp_path, monkeypatch):
     assert native._build() == lib
 
 
+POLICIES = [{"name": "continuous", "max_seats": 3}, {"name": "chunked", "max_seats": 3, "token_budget": 16}]
+
+
+def scenario_tokens(model, net, monkeypatch, policies):
+    """([each policy's tokens for the scenario from an engine over `model` running `net`], [generate's, alone])."""
+    monkeypatch.setitem(_BUILT, model, net)
+    prompts = scenario_prompts(model, None)
+    runs = [run_scenario(model, policy, prompts, LENS, ARRIVE) for policy in policies]
+    want = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
+    return [[out[str(i)] for i in range(len(LENS))] for out in runs], [want] * len(policies)
+
+
 def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch, caplog):
     """No compiler: ops() is None with the reason logged once and kept, and the model runs ATen's operators,
     giving generate's tokens."""
@@ -136,11 +148,9 @@ def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch,
     assert "no-such-compiler" in native.error
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     net = FlatModel(tiny_llama)
-    assert net.native is None
-    prompts = scenario_prompts(tiny_llama, None)
-    monkeypatch.setitem(_BUILT, tiny_llama, net)
-    out = run_scenario(tiny_llama, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE)
-    assert [out[str(i)] for i in range(6)] == [generate_alone(tiny_llama, p, n) for p, n in zip(prompts, LENS)]
+    assert net.fused is None
+    got, want = scenario_tokens(tiny_llama, net, monkeypatch, [POLICIES[0]])
+    assert got == want
 
 
 @needs_lab
@@ -148,9 +158,6 @@ def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch,
 def test_both_paths_give_generates_tokens(tiny, fused, monkeypatch):
     name, model = tiny
     net = FlatModel(model, fused=fused)
-    assert (net.native is not None) == fused
-    prompts = scenario_prompts(model, None)
-    monkeypatch.setitem(_BUILT, model, net)
-    for policy in ({"name": "continuous", "max_seats": 3}, {"name": "chunked", "max_seats": 3, "token_budget": 16}):
-        out = run_scenario(model, policy, prompts, LENS, ARRIVE)
-        assert [out[str(i)] for i in range(6)] == [generate_alone(model, p, n) for p, n in zip(prompts, LENS)], name
+    assert (net.fused is not None) == fused
+    got, want = scenario_tokens(model, net, monkeypatch, POLICIES)
+    assert got == want, name
