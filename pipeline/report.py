@@ -151,8 +151,8 @@ def main(cfg):
         body, m = engine_speed_section(speed["rows"])
         parts.append(section("Engine against Hugging Face generate", "Same model, dtype and requests in one "
                              "process; B requests at once, exact new tokens (`python -m pipeline.engine_speed`). "
-                             "decode / floor: the engine's decode rate against its matrix products alone (the "
-                             "fastest of two timings just before and after the case)."
+                             "decode / floor: the engine's decode rate against its matrix products alone, run "
+                             "for as many steps right after each engine run (the fastest such run)."
                              + inputs.note(REPORTS / "engine_speed.json") + machine_dependence(hw), body))
         metrics.update(m)
     results = engine_tables(inputs)

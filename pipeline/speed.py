@@ -4,7 +4,8 @@ Each case: B prompts arriving at once, exactly `new_tokens` new tokens each (EOS
 Hugging Face runs a left-padded batch; the engine runs continuous batching with B seats (its decode steps compiled
 when `compile` is set), on the slot cache and again on a paged pool of the same size. Best of `repeats`; prefill
 timed apart (HF: a 1-token generate; engine: its first, all-prompt step). Also the floor of a step: the model's
-matrix products alone (step_floor_ms, shared with probe_hardware).
+matrix products alone (step_floor_ms, shared with probe_hardware), run right after each engine run for as many steps
+as its decode took, so both rates are sustained ones timed under the same conditions.
 """
 import time
 
@@ -17,9 +18,11 @@ from pipeline.env import PeakRSS, synchronize
 from pipeline.prompts import prompts_for
 
 
-def best_of(fn, device, repeats: int = 5) -> float:
-    """Fastest of `repeats` timed calls (s) after one warm-up, the device synchronised around each."""
-    fn()
+def best_of(fn, device, repeats: int = 5, warm: bool = True) -> float:
+    """Fastest of `repeats` timed calls (s) after one warm-up call (unless not `warm`), the device synchronised
+    around each."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(repeats):
         synchronize(device)
@@ -30,11 +33,18 @@ def best_of(fn, device, repeats: int = 5) -> float:
     return best
 
 
-def step_floor_ms(net: FlatModel, batch: int) -> float:
-    """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms."""
+def step_floor_ms(net: FlatModel, batch: int, steps: int = 1, repeats: int = 3, warm: bool = True) -> float:
+    """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms per
+    step: `steps` such steps back to back (a sustained rate, timed like an engine run's decode steps), the fastest
+    of `repeats` (after one warm-up unless not `warm`)."""
     mats = [w for layer in net.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [net.lm_head]
     x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.dtype, device=m.device) for m in mats}
-    return best_of(lambda: [m(x[m.shape[0]]) for m in mats], net.embed.device, 3) * 1e3
+
+    def run():
+        for _ in range(steps):
+            for m in mats:
+                m(x[m.shape[0]])
+    return best_of(run, net.embed.device, repeats, warm) * 1e3 / steps
 
 
 def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
@@ -82,7 +92,10 @@ def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compi
     B, n = int(case["batch"]), int(case["new_tokens"])
     prompts = prompts_for(case["prompt"], B, tokenizer, model.config.vocab_size)
     reps = int(case.get("repeats", repeats))
-    eng = [engine_run(model, prompts, n, eos, compile, graphs=graphs) for _ in range(reps)]
+    net, eng, floor = FlatModel.of(model), [], []
+    for _ in range(reps):  # each run's decode steps, then as many steps of the matrix products alone
+        eng.append(engine_run(model, prompts, n, eos, compile, graphs=graphs))
+        floor.append(step_floor_ms(net, B, steps=n - 1, repeats=1, warm=False))
     best = min(eng, key=lambda r: r["total"])
     paged = min((engine_run(model, prompts, n, eos, compile, "paged") for _ in range(reps)), key=lambda r: r["total"])
     hf_total = min(hf_generate(model, prompts, n, pad_id) for _ in range(reps))
@@ -94,10 +107,12 @@ def run_case(model, tokenizer, case: dict, repeats: int, eos, pad_id: int, compi
            "engine_decode_tps": B * (n - 1) / (best["total"] - best["prefill"]),
            "paged_decode_tps": B * (n - 1) / (paged["total"] - paged["prefill"]),  # the same engine on paged KV
            "hf_decode_tps": B * (n - 1) / (hf_total - hf_prefill),
+           "floor_tps": B / min(floor) * 1e3,  # the matrix products alone, sustained over a decode's steps
            "engine_peak_mb": max(r["peak_mb"] for r in eng),  # host RSS of the process on a CPU, device on a GPU
            "engine_weight_bytes": best["weights"], "kv_cache_bytes": best["kv"],
            "kv_bytes_expected": B * best["seat_tokens"] * best["kv_per_token"], "compile": compile}
     row["ratio"] = row["engine_tps"] / row["hf_tps"]
     row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
     row["paged_decode_ratio"] = row["paged_decode_tps"] / row["engine_decode_tps"]  # paged against slot
+    row["floor_fraction"] = row["engine_decode_tps"] / row["floor_tps"]
     return row

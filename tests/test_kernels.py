@@ -142,6 +142,24 @@ def test_step_split_finds_each_kind_of_operator(tiny, fused):
     assert split["step_ms"] > 0
 
 
+def test_a_sustained_floor_runs_every_product_once_per_step(tiny_llama, monkeypatch):
+    """engine_speed's floor: `steps` steps of every weight matrix (and the LM head) back to back per timed run,
+    one warm-up run first unless not `warm`, the time given per step."""
+    from pipeline.speed import step_floor_ms
+
+    net = FlatModel.of(tiny_llama)
+    calls = []
+    product = kernels.Dense.product
+    monkeypatch.setattr(kernels.Dense, "product",
+                        lambda self, kind, x, residual=None: calls.append(x.shape[0]) or product(self, kind, x))
+    per_step = 4 * len(net.layers) + 1
+    assert step_floor_ms(net, 3, steps=5, repeats=2, warm=False) > 0
+    assert calls == [3] * per_step * 5 * 2
+    calls.clear()
+    step_floor_ms(net, 2, steps=1, repeats=3)
+    assert calls == [2] * per_step * 4
+
+
 def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
     rows = (1, 2, 4, 5, 16, 17, 64, 65, 256)
     assert [kernels.BUCKETS[kernels.bucket(r)] for r in rows] == [1, 4, 4, 16, 16, 64, 64, 256, 256]

@@ -60,10 +60,11 @@ def reference_attention(q, k, v, bias, scale):
 
 @needs_lab
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (4, 4, 16), (14, 2, 64), (8, 1, 128), (6, 2, 20)])
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [None, "tail", "window"])
 def test_decode_attention_equals_softmax_attention(heads, kv, d, masked):
     """GQA groups of 1 to 8 query heads (remainders past 4), head dims that are and are not whole vectors, keys a
-    strided view of a larger cache; masked keys hold NaN, which must never be read."""
+    strided view of a larger cache; masked keys (each sequence's tail, or all but a sliding window of 6, so blocks
+    of keys mix masked and read ones) hold NaN, which must never be read."""
     g = torch.Generator().manual_seed(heads * d)
     S, L, cap = 5, 37, 50
     cache_k, cache_v = torch.randn(S + 2, kv, cap, d, generator=g), torch.randn(S + 2, kv, cap, d, generator=g)
@@ -71,8 +72,9 @@ def test_decode_attention_equals_softmax_attention(heads, kv, d, masked):
     q = torch.randn(S, heads, d, generator=g)
     bias = None
     if masked:
-        lens = torch.tensor([1, 9, 17, 36, 37])
-        bias = torch.zeros(S, L).masked_fill_(torch.arange(L)[None] >= lens[:, None], -torch.inf)
+        lens, j = torch.tensor([1, 9, 17, 36, 37])[:, None], torch.arange(L)[None]
+        out = (j >= lens) | (j < lens - 6) if masked == "window" else j >= lens
+        bias = torch.zeros(S, L).masked_fill_(out, -torch.inf)
         want = reference_attention(q, k, v, bias, 0.125)
         cache_k[:S, :, :L][bias.isinf()[:, None, :].expand(S, kv, L)] = torch.nan
         cache_v[:S, :, :L][bias.isinf()[:, None, :].expand(S, kv, L)] = torch.nan
