@@ -12,7 +12,7 @@ Attention softmax runs in fp32 whatever the weights' dtype; logits come out in f
 On a paged cache both parts gather each sequence's keys through its block table (plan.dec_keys, plan.pre_keys)
 into one contiguous tensor, then run the same two calls; the fused decode kernel reads them in place instead.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
-On fp32 CPUs the norms, rotary, SiLU x up, KV writes and decode attention run as fused kernels (engine/native.cpp)
+On fp32 CPUs the norms, rotary, SiLU x up, KV writes and decode attention run as fused kernels (engine/native.py)
 where they build, ATen's operators otherwise (`fused`).
 A config is checked first (engine/support.py): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
@@ -88,7 +88,7 @@ class FlatModel:
         layout (the weights then exist once, and the peak is one copy plus one layer); it can no longer run.
         kernel: one product for every matrix and row count (a kernels.candidates name); None: each shape's
         measured choice (engine/kernels.py), `remeasure` measuring it again.
-        fused: engine/native.cpp's kernels on an fp32 CPU, where they build (`self.fused`: their ops, else None)."""
+        fused: engine/native.py's kernels on an fp32 CPU, where they build (`self.fused`: their ops, else None)."""
         cfg = hf_model.config
         self.window = check_config(hf_model)  # tokens each query attends (itself included); None = all before it
         self.num_heads = cfg.num_attention_heads

@@ -1,7 +1,7 @@
-"""The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
-decode_attention, paged_decode_attention), built once per machine with the system's C++ compiler for the vector
-instructions torch uses here (AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the source,
-torch's version and the flags (about 10 s on 2 cores). Where building or loading fails, `ops()` is None and the
+"""The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_) and
+engine/decode_attention.cpp (decode_attention, paged_decode_attention), built into one library once per machine
+with the system's C++ compiler for the vector instructions torch uses here (AVX-512, AVX2 or none) and kept in
+$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags (about 10 s on 2 cores). Where building or loading fails, `ops()` is None and the
 steps run ATen's operators instead; the reason is logged once and kept in `error`.
 """
 import hashlib
@@ -16,7 +16,9 @@ import torch
 from engine import kernels
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("native.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "native.cpp", HERE / "decode_attention.cpp"]  # compiled together; both include native.h
+HEADER = HERE / "native.h"
 ISA = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
        "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}  # torch's CPU capability -> compiler flags
 error: str | None = None  # why the kernels are not there, once tried
@@ -37,7 +39,8 @@ def _flags() -> list[str]:
 def _build() -> Path:
     """The shared library for this source, torch and machine: compiled unless the cache has it."""
     flags = _flags()
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
+    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    key = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
     lib = kernels.cache_dir() / "native" / f"lab_{key[:16]}.so"
     if lib.exists():
         return lib
@@ -45,7 +48,7 @@ def _build() -> Path:
     cxx = os.environ.get("CXX", "g++")
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written library
         out = Path(tmp) / lib.name
-        done = subprocess.run([cxx, str(SOURCE), "-o", str(out), *flags], capture_output=True, text=True)
+        done = subprocess.run([cxx, *map(str, SOURCES), "-o", str(out), *flags], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, lib)

@@ -1,0 +1,240 @@
+// Decode attention for the fused kernels (torch.ops.lab.decode_attention and paged_decode_attention; schemas in
+// engine/native.cpp): each (sequence, kv head) reads its keys once for all query heads of its GQA group, masked keys
+// never read, the next group's keys and values prefetched meanwhile.
+#include "native.h"
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+// One sequence's keys and values under one kv head: position l at row `rows[l]` (a paged cache's block rows) or
+// l (a slot cache's view) of k and v, rows `ks` and `vs` floats apart; b its additive bias (-inf: masked, never
+// read; null: none).
+struct Keys {
+  const float *k, *v;
+  int64_t ks, vs;
+  const int64_t* rows;
+  const float* b;
+  const float* key(int64_t l) const { return k + (rows ? rows[l] : l) * ks; }
+  const float* value(int64_t l) const { return v + (rows ? rows[l] : l) * vs; }
+  bool masked(int64_t l) const { return b && b[l] == -std::numeric_limits<float>::infinity(); }
+  float bias(int64_t l) const { return b ? b[l] : 0.f; }
+};
+
+// Asks for a row of D floats to be brought into L2 (locality 2): the next group's (sequence, kv head) keys and
+// values are fetched while this one's are used, which the hardware prefetcher alone does not do across groups.
+static inline void prefetch(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d, 0, 2);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// [sum of a's lanes, b's, c's, d's]: the four dot products of a block of keys, reduced together.
+static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));  // each 128-bit lane: one vector's four partial sums
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);  // of each lane
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x));
+}
+#endif
+
+// R query rows (qs floats apart) of a GQA group against L keys, rows NV vectors long: scores into p [R, L] (-inf
+// where masked), with the rows' queries in registers over all keys; the next group's keys prefetched meanwhile.
+template <int NV, int R>
+static void group_scores(const float* q, int64_t qs, const Keys& kv, float sc, int64_t L, float* p, const Keys* next) {
+  Vec qv[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) qv[r][n] = Vec::loadu(q + r * qs + n * W);
+  auto one = [&](int64_t l) {
+    if (next && !next->masked(l)) prefetch(next->key(l), NV * W);
+    if (kv.masked(l)) {  // the key is never read
+      for (int r = 0; r < R; ++r) p[r * L + l] = kv.b[l];
+      return;
+    }
+    const float* kl = kv.key(l);
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = qv[r][0] * Vec::loadu(kl);
+    for (int n = 1; n < NV; ++n) {
+      const Vec k = Vec::loadu(kl + n * W);
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(qv[r][n], k, acc[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      p[r * L + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[r]) * sc + kv.bias(l);
+  };
+  int64_t l = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; l + 4 <= L; l += 4) {  // four keys at a time, their sums reduced together
+    if (kv.masked(l) || kv.masked(l + 1) || kv.masked(l + 2) || kv.masked(l + 3)) {
+      for (int j = 0; j < 4; ++j) one(l + j);
+      continue;
+    }
+    __m512 acc[R][4];
+    for (int j = 0; j < 4; ++j) {
+      const float* kl = kv.key(l + j);
+      if (next && !next->masked(l + j)) prefetch(next->key(l + j), NV * W);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(qv[r][0], _mm512_loadu_ps(kl));
+      for (int n = 1; n < NV; ++n) {
+        const __m512 k = _mm512_loadu_ps(kl + n * W);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(qv[r][n], k, acc[r][j]);
+      }
+    }
+    const __m128 bias = kv.b ? _mm_loadu_ps(kv.b + l) : _mm_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(p + r * L + l,
+                    _mm_fmadd_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(sc), bias));
+  }
+#endif
+  for (; l < L; ++l) one(l);
+}
+
+// o [R, D] = p [R, L] (probabilities) times the values, masked ones unread; the next group's prefetched.
+template <int NV, int R>
+static void group_values(const float* p, const Keys& kv, int64_t L, float* o, int64_t D, const Keys* next) {
+  Vec acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) acc[r][n] = Vec(0.f);
+  for (int64_t l = 0; l < L; ++l) {
+    if (next && !next->masked(l)) prefetch(next->value(l), NV * W);
+    if (kv.masked(l)) continue;
+    const float* vl = kv.value(l);
+    for (int n = 0; n < NV; ++n) {
+      const Vec v = Vec::loadu(vl + n * W);
+      for (int r = 0; r < R; ++r) acc[r][n] = at::vec::fmadd(Vec(p[r * L + l]), v, acc[r][n]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NV; ++n) acc[r][n].store(o + r * D + n * W);
+}
+
+// A whole group of G rows, at most 4 at a time (4 x NV accumulators): scores, or (`values`) the weighted sum.
+template <int NV>
+static void group(const float* q, int64_t qs, const Keys& kv, float sc, int64_t G, int64_t L, float* p, float* o,
+                  int64_t D, bool values, const Keys* next) {
+  for (int64_t j = 0; j < G; j += 4) {
+    const int64_t R = std::min<int64_t>(4, G - j);
+    if (!values) {
+      auto f = R == 4 ? group_scores<NV, 4> : R == 3 ? group_scores<NV, 3> : R == 2 ? group_scores<NV, 2>
+                                                                                    : group_scores<NV, 1>;
+      f(q + j * qs, qs, kv, sc, L, p + j * L, j ? nullptr : next);
+    } else {
+      auto f = R == 4 ? group_values<NV, 4> : R == 3 ? group_values<NV, 3> : R == 2 ? group_values<NV, 2>
+                                                                                    : group_values<NV, 1>;
+      f(p + j * L, kv, L, o + j * D, D, j ? nullptr : next);
+    }
+  }
+}
+
+// The same for any head dim, one row and one key at a time.
+static void group_any(const float* q, int64_t qs, const Keys& kv, float sc, int64_t G, int64_t L, float* p, float* o,
+                      int64_t D, bool values, const Keys*) {
+  if (values) std::fill_n(o, G * D, 0.f);
+  for (int64_t j = 0; j < G; ++j)
+    for (int64_t l = 0; l < L; ++l) {
+      if (!values)
+        p[j * L + l] = kv.masked(l) ? kv.b[l] : dot(q + j * qs, kv.key(l), D) * sc + kv.bias(l);
+      else if (!kv.masked(l))
+        axpy(p[j * L + l], kv.value(l), o + j * D, D);
+    }
+}
+
+using GroupFn = decltype(&group_any);
+
+static GroupFn group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 128 floats with AVX-512)
+  if (D % W) return group_any;
+  switch (D / W) {
+    case 1: return group<1>;
+    case 2: return group<2>;
+    case 3: return group<3>;
+    case 4: return group<4>;
+    case 5: return group<5>;
+    case 6: return group<6>;
+    case 8: return group<8>;
+    default: return group_any;
+  }
+}
+
+// softmax(scale * q k^T + bias) v for q [S, H, D], the keys of (sequence s, kv head h) given by `keys(s, h)`,
+// bias [S, L] additive (-inf: that key is never read) or none; [S, H, D].
+template <typename KeysOf>
+static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, const std::optional<at::Tensor>& bias,
+                         double scale, const KeysOf& keys) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), G = H / KV;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t bs = bp ? bias->stride(0) : 0;
+  at::Tensor out = at::empty({S, H, D}, q.options());  // every row written by its group
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const GroupFn fn = group_for(D);
+  auto keys_of = [&](int64_t i) {  // group i: sequence i / KV, kv head i % KV
+    Keys kv = keys(i / KV, i % KV);
+    kv.b = bp ? bp + i / KV * bs : nullptr;
+    return kv;
+  };
+  at::parallel_for(0, S * KV, std::max<int64_t>(1, GRAIN / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
+    std::vector<float> p(G * L);  // [G, L] scores, then probabilities
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / KV, h = i % KV;
+      const float* qb = qp + s * q.stride(0) + h * G * q.stride(1);
+      const Keys kv = keys_of(i), nk = i + 1 < end ? keys_of(i + 1) : kv;  // this group's and the next one's
+      const Keys* next = i + 1 < end ? &nk : nullptr;
+      float* ob = op + (s * H + h * G) * D;
+      fn(qb, q.stride(1), kv, sc, G, L, p.data(), ob, D, false, next);
+      for (int64_t j = 0; j < G; ++j) {  // softmax over each row, in place
+        float* r = p.data() + j * L;
+        const float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, L);
+        at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, r, r, L);
+        const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r, L);
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, r, r, L);
+      }
+      fn(qb, q.stride(1), kv, sc, G, L, p.data(), ob, D, true, next);
+    }
+  });
+  return out;
+}
+
+// One query per sequence, q [S, H, D], against k and v [S, KV, L, D] (any strides but the last: a slot cache's view).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& bias, double scale) {
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(3) && q.size(1) % k.size(1) == 0,
+              "decode_attention: q [S, H, D], k and v [S, KV, L, D] are needed");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  return attend(q, k.size(1), k.size(2), bias, scale, [&](int64_t s, int64_t h) {
+    return Keys{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
+                v.stride(2), nullptr, nullptr};
+  });
+}
+
+// The same against a paged cache read in place: k and v [N, D] (every block's rows), rows [S, KV, L] the row of
+// each (sequence, kv head, position).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& rows, const std::optional<at::Tensor>& bias, double scale) {
+  check(q, "q");
+  check(k, "k");
+  check(v, "v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 2 && k.sizes() == v.sizes() && q.size(2) == k.size(1) && rows.dim() == 3 &&
+                  rows.size(0) == q.size(0) && q.size(1) % rows.size(1) == 0 && rows.is_contiguous() &&
+                  rows.scalar_type() == at::kLong,
+              "paged_decode_attention: q [S, H, D], k and v [N, D], rows [S, KV, L] contiguous int64 are needed");
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t KV = rows.size(1), L = rows.size(2);
+  return attend(q, KV, L, bias, scale, [&](int64_t s, int64_t h) {
+    return Keys{kp, vp, k.stride(0), v.stride(0), rp + (s * KV + h) * L, nullptr};
+  });
+}
+
+TORCH_LIBRARY_IMPL(lab, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("paged_decode_attention", paged_decode_attention);
+}

@@ -1,0 +1,38 @@
+// What the fused kernels' sources share (engine/native.cpp, engine/decode_attention.cpp): ATen's vector type
+// and width, the size below which a loop stays on one thread, the argument check, dot and axpy.
+#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+constexpr int64_t GRAIN = 1 << 15;  // floats of work below which a loop stays on one thread
+
+static inline void check(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": a float32 CPU tensor is needed");
+  TORCH_CHECK(t.stride(-1) == 1, name, ": its last dimension must be contiguous");
+}
+
+static inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + W <= n; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+static inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a * x
+  int64_t d = 0;
+  for (; d + W <= n; d += W) at::vec::fmadd(Vec(a), Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < n; ++d) y[d] += a * x[d];
+}
