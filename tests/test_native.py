@@ -1,5 +1,6 @@
-"""The fused fp32 CPU kernels (engine/native.cpp): each equals the ATen operators it replaces, masked keys are never
-read, the library is built once per machine, and a failed build leaves the steps on ATen's operators."""
+"""The fused fp32 CPU kernels (engine/native.cpp, engine/decode_attention.cpp): each equals the ATen operators it
+replaces, masked keys are never read, the library is built once per machine, and a failed build leaves the steps
+on ATen's operators."""
 import logging
 import shutil
 import subprocess
