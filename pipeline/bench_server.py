@@ -107,10 +107,15 @@ def http_cpu_s(base_url: str) -> float | None:
                  if line.startswith("lab:http_thread_cpu_seconds{")), None)
 
 
-def measure(base_url, model, name, levels, n, lengths, timeout_s, slo, seed, api_key=None):
+def measure(base_url, model, name, levels, n, lengths, timeout_s, slo, seed, warm_up_tokens: int, api_key=None):
+    """Each level's closed loop, after a warm-up round of its first c requests with warm_up_tokens each (unrecorded;
+    0: none): the in-process references are timed after a warm-up too."""
     rows, recs = [], []
     for c in levels:
         reqs = requests_for(max(n, c), lengths, seed)
+        if warm_up_tokens:
+            asyncio.run(closed_loop(base_url, model, [(p, warm_up_tokens) for p, _ in reqs[:c]], c, timeout_s, api_key,
+                                    progress=False))
         cpu0 = http_cpu_s(base_url)
         out = asyncio.run(closed_loop(base_url, model, reqs, c, timeout_s, api_key))
         cpu1 = http_cpu_s(base_url)
@@ -151,14 +156,18 @@ def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame
 
 def references(cfg, n: int, max_tokens: int) -> dict:
     """The same c=64 requests in-process: the engine (64 seats, its steps compiled as the server's are) and HF
-    generate on a padded batch."""
+    generate on a padded batch, each after the same warm-up as the server's level."""
     model, tok = load_configured_model(cfg)
     prompts = [chat_ids(tok, text) for text, _ in requests_for(n, max_tokens, 0)]
     eos, compile, graphs = eos_ids(model), bool(cfg.precision.compile), bool(cfg.precision.graphs)
-    engine_run(model, prompts[:2], 4, eos)  # warm-up
+    warm = int(cfg.bench.server.warm_up_tokens)
     if compile:
         warm_compiled(model, len(prompts), eos, graphs)
+    if warm:  # the same requests with warm_up_tokens each, as the server's level was warmed
+        engine_run(model, prompts, warm, eos, compile, graphs=graphs)
     eng = engine_run(model, prompts, max_tokens, eos, compile, graphs=graphs)
+    if warm:
+        hf_generate(model, prompts, warm, tok.pad_token_id or 0)
     hf = hf_generate(model, prompts, max_tokens, tok.pad_token_id or 0)
     return {"engine_tps": n * max_tokens / eng["total"], "hf_tps": n * max_tokens / hf}
 
@@ -208,7 +217,7 @@ def main(cfg):
     if t.base_url:
         key = os.environ.get(t.api_key_env) if t.api_key_env else None
         r, d = measure(t.base_url, t.model, t.name, b.runs[-1].levels, b.runs[-1].n, b.max_tokens, b.timeout_s, slo,
-                       cfg.seed, key)
+                       cfg.seed, b.warm_up_tokens, key)
         rows, recs = rows + r, recs + d
     else:
         seat_tokens = 512 + max(b.max_tokens, *b.mixed.max_tokens)
@@ -219,10 +228,10 @@ def main(cfg):
             try:
                 url = f"http://127.0.0.1:{port}/v1"
                 r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
-                               run.get("timeout_s", b.timeout_s), slo, cfg.seed)
+                               run.get("timeout_s", b.timeout_s), slo, cfg.seed, run.get("warm_up_tokens", b.warm_up_tokens))
                 if run.get("mixed"):
                     mr, md = measure(url, cfg.model.name, f"{run.name}, mixed lengths", b.mixed.levels, b.mixed.n,
-                                     list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed)
+                                     list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed, b.warm_up_tokens)
                     r, d = r + mr, d + md
             finally:
                 stop(proc)

@@ -92,11 +92,12 @@ def main(cfg) -> dict:
     binary = build(str(p.llama_cpp))
     gguf = gguf_path(cfg.model.package, cfg.model.gguf_file)
     slo = (float("inf"), float("inf"))  # throughput and latency only: no SLO, so goodput is throughput
+    warm = int(cfg.bench.server.warm_up_tokens)  # both servers' levels warmed up alike
     port = free_port()
     proc, command = serve(binary, gguf, p, int(cfg.threads), port)
     try:
         rows, _ = measure(f"http://127.0.0.1:{port}/v1", "peer", "llama.cpp", list(p.levels), int(p.n),
-                          int(p.max_tokens), float(p.timeout_s), slo, cfg.seed)
+                          int(p.max_tokens), float(p.timeout_s), slo, cfg.seed, warm)
     finally:
         stop(proc)
     run = OmegaConf.create({"name": "engine-continuous", "server": "engine", "policy": "continuous",
@@ -105,7 +106,7 @@ def main(cfg) -> dict:
     proc = start(cfg, run, port, int(p.ctx_per_slot))
     try:
         lab, _ = measure(f"http://127.0.0.1:{port}/v1", cfg.model.name, run.name, list(p.levels), int(p.n),
-                         int(p.max_tokens), float(p.timeout_s), slo, cfg.seed)
+                         int(p.max_tokens), float(p.timeout_s), slo, cfg.seed, warm)
     finally:
         stop(proc)
     rows += lab

@@ -17,11 +17,11 @@ Logprobs are those of the raw model distribution (before penalties, temperature,
 OpenAI report them; the Hugging Face generate backends refuse logprobs and penalties (400).
 """
 import asyncio
-import json
 import math
 import time
 import uuid
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -298,14 +298,14 @@ class Stream:
                     c = self.chunk(text, finish, first, sent)
                     if include_usage:
                         c["usage"] = self.usage() if every else None
-                    yield f"data: {json.dumps(c)}\n\n"
+                    yield sse_event(c)
                     first, sent = False, sent + len(text)
         except Failed as exc:
-            yield f"data: {json.dumps(exc.body())}\n\n"
+            yield sse_event(exc.body())
         if include_usage:
             tail = {**self.chunk("", None, False, sent), "choices": [], "usage": self.usage()}
-            yield f"data: {json.dumps(tail)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield sse_event(tail)
+        yield b"data: [DONE]\n\n"
 
     async def _collect(self) -> str:
         return "".join([text async for text, _ in self.events()])
@@ -335,6 +335,10 @@ class Stream:
             obj = "text_completion"
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
+
+
+def sse_event(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 async def disconnected(request: Request) -> None:

@@ -1,5 +1,6 @@
 """pipeline.bench_server's own behaviour (its measurements run in the pipeline tests): waiting for a server to come
-up through its warm-up, and a clear message when run alone before the main replay exists."""
+up through its warm-up, each level's unrecorded warm-up round, and a clear message when run alone before the main
+replay exists."""
 import threading
 import time
 from types import SimpleNamespace
@@ -8,7 +9,7 @@ import pytest
 
 import pipeline.bench_server as bench
 from pipeline.config import compose_config
-from tests.serving import Server, warming_up
+from tests.serving import Server, metric, warming_up
 
 
 def test_bench_waits_out_a_warm_up_but_not_forever(chat_model, monkeypatch):
@@ -32,3 +33,16 @@ def test_bench_without_the_main_replay_says_what_to_run(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     with pytest.raises(SystemExit, match=r"main\.json is missing.*`dvc repro bench_server`"):
         bench.main(compose_config([]))
+
+
+@pytest.mark.parametrize("warm_up_tokens", [0, 3])
+def test_each_level_is_warmed_up_first_and_the_warm_up_is_not_recorded(chat_model, warm_up_tokens):
+    """measure: before a level's n requests, its first c requests run with warm_up_tokens each; the server
+    generates those too, but the level's row and records hold only the n measured requests."""
+    inf = float("inf")
+    with Server(*chat_model, {"name": "continuous", "max_seats": 4}) as s:
+        rows, recs = bench.measure(f"{s.url}/v1", "tiny-chat", "tiny", [2], 3, 5, 60, (inf, inf), 0, warm_up_tokens)
+        generated = metric(s.url, "vllm:generation_tokens_total")
+    assert rows[0]["requests"] == 3 and rows[0]["complete"] == 3 and rows[0]["errors"] == 0
+    assert len(recs[0]) == 3 and recs[0]["num_tokens"].sum() == 15
+    assert generated == 15 + 2 * warm_up_tokens
