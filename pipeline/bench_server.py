@@ -228,7 +228,8 @@ def main(cfg):
             try:
                 url = f"http://127.0.0.1:{port}/v1"
                 r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
-                               run.get("timeout_s", b.timeout_s), slo, cfg.seed, run.get("warm_up_tokens", b.warm_up_tokens))
+                               run.get("timeout_s", b.timeout_s), slo, cfg.seed,
+                               run.get("warm_up_tokens", b.warm_up_tokens))
                 if run.get("mixed"):
                     mr, md = measure(url, cfg.model.name, f"{run.name}, mixed lengths", b.mixed.levels, b.mixed.n,
                                      list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed, b.warm_up_tokens)

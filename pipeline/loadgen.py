@@ -22,9 +22,11 @@ from tqdm import tqdm
 
 
 def session(headers: dict, limit: int = 0) -> aiohttp.ClientSession:
-    """The loads' HTTP client, `limit` connections (0: any number). aiohttp parses responses in C: it used a quarter
-    of httpx's CPU per streamed token (2 AMD EPYC cores: 0.05 against 0.19 ms), CPU the server under test shares."""
-    return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
+    """The loads' HTTP client, `limit` connections (0: any number), each request on a connection of its own (a
+    server may close an idle persistent connection at any moment, and a request sent on it is lost: llama.cpp's
+    server did so to half the c=1 requests). aiohttp parses responses in C: it used a quarter of httpx's CPU per
+    streamed token (2 AMD EPYC cores: 0.05 against 0.19 ms), CPU the server under test shares."""
+    return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit, force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=None))
 
 

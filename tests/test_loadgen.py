@@ -117,3 +117,39 @@ def test_poisson_overload_reports_refusals_and_completed_rate(stub):
     assert 0 < r["slowest_refusal_s"]["HTTP 429"] < 0.5
     assert r["completed_per_s"] > 0 and r["completed_tokens_per_s"] == pytest.approx(4 * r["completed_per_s"])
     assert r["health_after"]["status"] == "ok"
+
+
+def one_shot_server() -> tuple[str, list]:
+    """A raw HTTP/1.1 server that keeps each connection open after its (chunked, keep-alive) response but answers
+    nothing more on it, closing it 0.2 s later: a server closing idle persistent connections on its own timing, as
+    llama.cpp's did. Returns (base URL, connections accepted)."""
+    conns, port, ready = [], free_port(), threading.Event()
+
+    async def handle(reader, writer):
+        conns.append(1)
+        head = await reader.readuntil(b"\r\n\r\n")
+        sizes = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+        await reader.readexactly(int(sizes[0]))
+        events = [b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n', b"data: [DONE]\n\n"]
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" +
+                     b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+
+    async def serve():
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        ready.set()
+        await server.serve_forever()
+
+    threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
+    ready.wait(10)
+    return f"http://127.0.0.1:{port}/v1", conns
+
+
+def test_a_connection_the_server_stops_answering_on_is_never_reused():
+    """Each request goes out on a connection of its own: a server may close a persistent connection whenever it is
+    idle, and a request sent on one it has stopped answering would be lost."""
+    url, conns = one_shot_server()
+    recs = asyncio.run(closed_loop(url, "stub", [("hi", 1)] * 4, 1, timeout_s=10, progress=False))
+    assert [r["outcome"] for r in recs] == ["ok"] * 4 and len(conns) == 4
