@@ -85,10 +85,17 @@ def bucket(rows: int) -> int:
     return len(BUCKETS) - 1
 
 
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")  # env vars that narrow kernels
+
+
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    """The CPU and what its kernels may use (its flags, torch's CPU capability and any ISA limit set in the
+    environment: the same CPU limited to AVX2 chooses anew), GPU, threads, torch and dtype."""
     cpu, flags = cpu_info()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    fields = [cpu, sorted(k for k, v in flags.items() if v), gpu, torch.get_num_threads(), torch.__version__, str(dtype)]
+    isa = [torch.backends.cpu.get_cpu_capability(), *(os.environ.get(v) for v in ISA_LIMITS)]
+    fields = [cpu, sorted(k for k, v in flags.items() if v), isa, gpu, torch.get_num_threads(), torch.__version__,
+              str(dtype)]
     return hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
 
 

@@ -160,6 +160,20 @@ def test_a_sustained_floor_runs_every_product_once_per_step(tiny_llama, monkeypa
     assert calls == [2] * per_step * 4
 
 
+def test_the_same_cpu_limited_to_another_isa_is_another_machine(monkeypatch):
+    """Kernel choices measured with AVX-512 are not reused where torch's kernels, MKL or oneDNN are limited to AVX2
+    (ATEN_CPU_CAPABILITY and the like), and the key is stable otherwise."""
+    cpu, f32 = torch.device("cpu"), torch.float32
+    for v in kernels.ISA_LIMITS:
+        monkeypatch.delenv(v, raising=False)
+    base = kernels.machine_key(cpu, f32)
+    assert kernels.machine_key(cpu, f32) == base
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2-as-told")
+    told = kernels.machine_key(cpu, f32)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert len({base, told, kernels.machine_key(cpu, f32)}) == 3
+
+
 def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
     rows = (1, 2, 4, 5, 16, 17, 64, 65, 256)
     assert [kernels.BUCKETS[kernels.bucket(r)] for r in rows] == [1, 4, 4, 16, 16, 64, 64, 256, 256]
