@@ -37,7 +37,7 @@ class Detokenizer:
         if token is not None:
             self.held += self._piece(token)
         end = len(self.held)
-        for s in self.stop:  # text emitted before held back less than any stop string: it holds no match
+        for s in self.stop:  # a match cannot start in emitted text: it was searched whole, less than a stop held back
             i = self.held.find(s)
             if i >= 0:
                 end, self.stopped = min(end, i), True
