@@ -1,8 +1,9 @@
 """The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_) and
 engine/decode_attention.cpp (decode_attention, paged_decode_attention), built into one library once per machine
 with the system's C++ compiler for the vector instructions torch uses here (AVX-512, AVX2 or none) and kept in
-$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags (about 10 s on 2 cores). Where building or loading fails, `ops()` is None and the
-steps run ATen's operators instead; the reason is logged once and kept in `error`.
+$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags (about 10 s on 2 cores). Where
+building or loading fails, `ops()` is None and the steps run ATen's operators instead; the reason is logged once
+and kept in `error`. The compiler: $CXX, else g++.
 """
 import hashlib
 import logging
@@ -36,6 +37,10 @@ def _flags() -> list[str]:
             + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu"])
 
 
+def compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
 def _build() -> Path:
     """The shared library for this source, torch and machine: compiled unless the cache has it."""
     flags = _flags()
@@ -45,7 +50,7 @@ def _build() -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX", "g++")
+    cxx = compiler()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written library
         out = Path(tmp) / lib.name
         done = subprocess.run([cxx, *map(str, SOURCES), "-o", str(out), *flags], capture_output=True, text=True)

@@ -21,11 +21,12 @@ import aiohttp
 from tqdm import tqdm
 
 
-def session(headers: dict, limit: int = 0) -> aiohttp.ClientSession:
-    """The loads' HTTP client, `limit` connections (0: any number), each request on a connection of its own (a
-    server may close an idle persistent connection at any moment, and a request sent on it is lost: llama.cpp's
-    server did so to half the c=1 requests). aiohttp parses responses in C: it used a quarter of httpx's CPU per
-    streamed token (2 AMD EPYC cores: 0.05 against 0.19 ms), CPU the server under test shares."""
+def session(api_key: str | None, limit: int = 0) -> aiohttp.ClientSession:
+    """The loads' HTTP client (a bearer token if `api_key`), `limit` connections (0: any number), each request on a
+    connection of its own (a server may close an idle persistent connection at any moment, and a request sent on it
+    is lost: llama.cpp's server did so to half the c=1 requests). aiohttp parses responses in C: it used a quarter of
+    httpx's CPU per streamed token (2 AMD EPYC cores: 0.05 against 0.19 ms), CPU the server under test shares."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit, force_close=True),
                                  timeout=aiohttp.ClientTimeout(total=None))
 
@@ -92,11 +93,10 @@ async def closed_loop(base_url: str, model: str, requests: list[tuple], concurre
                       api_key: str | None = None, ignore_eos: bool = True, progress: bool = True) -> list[dict]:
     """`concurrency` workers; each sends its next request when its last one ends. requests: (prompt, max_tokens)."""
     url = endpoint(base_url, requests[0][0])
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     todo = list(enumerate(requests))
     out: list[dict] = [None] * len(requests)
     bar = tqdm(total=len(requests), desc=f"c={concurrency}", disable=not progress, leave=False)
-    async with session(headers, concurrency + 4) as client:
+    async with session(api_key, concurrency + 4) as client:
         t0 = time.perf_counter()
 
         async def worker():
@@ -115,8 +115,7 @@ async def open_loop(base_url: str, model: str, requests: list[tuple], arrivals: 
                     api_key: str | None = None, ignore_eos: bool = True) -> list[dict]:
     """Each request sent at its own absolute time (s from start): Poisson or gamma arrivals from a workload."""
     url = endpoint(base_url, requests[0][0])
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with session(headers) as client:
+    async with session(api_key) as client:
         t0 = time.perf_counter()
 
         async def at(when: float, prompt, n):
@@ -150,9 +149,8 @@ async def soak(base_url: str, model: str, concurrency: int, duration_s: float, p
     the server's resident memory (/health rss_mb) after the warm-up and at the end. outcomes: see one()."""
     root = base_url.rstrip("/").removesuffix("/v1")
     url = endpoint(base_url, prompt)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = body_for(model, prompt, max_tokens, True)
-    async with session(headers, concurrency + 4) as client:
+    async with session(api_key, concurrency + 4) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, url, body, t0, timeout_s) for _ in range(warmup or concurrency)))
         start = await health(client, root)
@@ -191,9 +189,8 @@ async def poisson(base_url: str, model: str, rate: float, duration_s: float, pro
         t += gaps.expovariate(rate)
     root = base_url.rstrip("/").removesuffix("/v1")
     url = endpoint(base_url, prompt)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = body_for(model, prompt, max_tokens, True)
-    async with session(headers) as client:
+    async with session(api_key) as client:
         t0 = time.perf_counter()
 
         async def at(when: float) -> dict:
