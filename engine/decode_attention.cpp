@@ -1,19 +1,20 @@
-// Decode attention for the fused kernels (torch.ops.lab.decode_attention and paged_decode_attention; schemas in
-// engine/native.cpp): each (sequence, kv head) reads its keys once for all query heads of its GQA group, masked keys
-// never read, the next group's keys and values prefetched meanwhile.
+// Attention for the fused kernels (torch.ops.lab.decode_attention and token_attention; schemas in engine/native.cpp):
+// each (query token, kv head) reads its keys once for all query heads of its GQA group, masked keys never read, the
+// next group's keys and values prefetched meanwhile.
 #include "native.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 
-// One sequence's keys and values under one kv head: position l at row `rows[l]` (a paged cache's block rows) or
-// l (a slot cache's view) of k and v, rows `ks` and `vs` floats apart; b its additive bias (-inf: masked, never
-// read; null: none).
+// The n keys and values one query token reads under one kv head: key l at row `rows[l]` (a paged cache's block
+// rows) or l (a slot cache's seat) of k and v, rows `ks` and `vs` floats apart; b its additive bias (-inf: masked,
+// never read; null: none).
 struct Keys {
   const float *k, *v;
   int64_t ks, vs;
   const int64_t* rows;
   const float* b;
+  int64_t n;
   const float* key(int64_t l) const { return k + (rows ? rows[l] : l) * ks; }
   const float* value(int64_t l) const { return v + (rows ? rows[l] : l) * vs; }
   bool masked(int64_t l) const { return b && b[l] == -std::numeric_limits<float>::infinity(); }
@@ -154,52 +155,41 @@ static GroupFn group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 128
   }
 }
 
-// softmax(scale * q k^T + bias) v for q [S, H, D], the keys of (sequence s, kv head h) given by `keys(s, h)`,
-// bias [S, L] additive (-inf: that key is never read) or none; [S, H, D].
+// softmax(scale * q k^T + bias) v for q [S, H, D] (rows may be strided), the keys of (query s, kv head h) given by
+// `keys(s, h)` (at most L of them); [S, H, D].
 template <typename KeysOf>
-static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, const std::optional<at::Tensor>& bias,
-                         double scale, const KeysOf& keys) {
+static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scale, const KeysOf& keys) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), G = H / KV;
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
-    bp = bias->data_ptr<float>();
-  }
-  const int64_t bs = bp ? bias->stride(0) : 0;
   at::Tensor out = at::empty({S, H, D}, q.options());  // every row written by its group
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const GroupFn fn = group_for(D);
-  auto keys_of = [&](int64_t i) {  // group i: sequence i / KV, kv head i % KV
-    Keys kv = keys(i / KV, i % KV);
-    kv.b = bp ? bp + i / KV * bs : nullptr;
-    return kv;
-  };
   at::parallel_for(0, S * KV, std::max<int64_t>(1, GRAIN / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
-    std::vector<float> p(G * L);  // [G, L] scores, then probabilities
-    for (int64_t i = begin; i < end; ++i) {
+    std::vector<float> p(G * L);  // [G, n] scores, then probabilities
+    for (int64_t i = begin; i < end; ++i) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;
       const float* qb = qp + s * q.stride(0) + h * G * q.stride(1);
-      const Keys kv = keys_of(i), nk = i + 1 < end ? keys_of(i + 1) : kv;  // this group's and the next one's
+      const Keys kv = keys(s, h), nk = i + 1 < end ? keys((i + 1) / KV, (i + 1) % KV) : kv;  // this and the next
       const Keys* next = i + 1 < end ? &nk : nullptr;
+      const int64_t n = kv.n;
       float* ob = op + (s * H + h * G) * D;
-      fn(qb, q.stride(1), kv, sc, G, L, p.data(), ob, D, false, next);
+      fn(qb, q.stride(1), kv, sc, G, n, p.data(), ob, D, false, next);
       for (int64_t j = 0; j < G; ++j) {  // softmax over each row, in place
-        float* r = p.data() + j * L;
-        const float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, L);
-        at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, r, r, L);
-        const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r, L);
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, r, r, L);
+        float* r = p.data() + j * n;
+        const float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, n);
+        at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, r, r, n);
+        const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r, n);
+        at::vec::map([inv](Vec x) { return x * Vec(inv); }, r, r, n);
       }
-      fn(qb, q.stride(1), kv, sc, G, L, p.data(), ob, D, true, next);
+      fn(qb, q.stride(1), kv, sc, G, n, p.data(), ob, D, true, next);
     }
   });
   return out;
 }
 
-// One query per sequence, q [S, H, D], against k and v [S, KV, L, D] (any strides but the last: a slot cache's view).
+// One query per sequence, q [S, H, D], against k and v [S, KV, L, D] (any strides but the last: a slot cache's
+// view), bias [S, L] additive (-inf: that key is never read) or none.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& bias, double scale) {
   check(q, "q");
@@ -208,33 +198,64 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(2) == k.size(3) && q.size(1) % k.size(1) == 0,
               "decode_attention: q [S, H, D], k and v [S, KV, L, D] are needed");
+  const int64_t S = q.size(0), L = k.size(2);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    check(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t bs = bp ? bias->stride(0) : 0;
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  return attend(q, k.size(1), k.size(2), bias, scale, [&](int64_t s, int64_t h) {
+  return attend(q, k.size(1), L, scale, [&](int64_t s, int64_t h) {
     return Keys{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
-                v.stride(2), nullptr, nullptr};
+                v.stride(2), nullptr, bp ? bp + s * bs : nullptr, L};
   });
 }
 
-// The same against a paged cache read in place: k and v [N, D] (every block's rows), rows [S, KV, L] the row of
-// each (sequence, kv head, position).
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& rows, const std::optional<at::Tensor>& bias, double scale) {
+// Any tokens, each against its own sequence's keys in the cache, read in place: q [T, H, D]; k and v the cache
+// [B, KV, P, D]; spans [T, 3] int64, token t's (sequence, first key, end key): it attends keys [first, end) of its
+// sequence. rows: none, sequence s is seat s of a slot cache (key l at [s, h, l]); or [Sq, KV, L] int64, the row of
+// k's [B * KV * P, D] view holding each key of (sequence, kv head) (a paged cache's blocks).
+at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
+                           const std::optional<at::Tensor>& rows, double scale) {
   check(q, "q");
   check(k, "k");
   check(v, "v");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 2 && k.sizes() == v.sizes() && q.size(2) == k.size(1) && rows.dim() == 3 &&
-                  rows.size(0) == q.size(0) && q.size(1) % rows.size(1) == 0 && rows.is_contiguous() &&
-                  rows.scalar_type() == at::kLong,
-              "paged_decode_attention: q [S, H, D], k and v [N, D], rows [S, KV, L] contiguous int64 are needed");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(2) == k.size(3) &&
+                  q.size(1) % k.size(1) == 0 && spans.dim() == 2 && spans.size(0) == q.size(0) &&
+                  spans.size(1) == 3 && spans.is_contiguous() && spans.scalar_type() == at::kLong,
+              "token_attention: q [T, H, D], k and v [B, KV, P, D], spans [T, 3] contiguous int64 are needed");
+  const int64_t T = q.size(0), KV = k.size(1);
+  const int64_t* sp = spans.data_ptr<int64_t>();
+  const int64_t *rp = nullptr, Sq = rows ? rows->size(0) : k.size(0), L = rows ? rows->size(2) : k.size(2);
+  if (rows) {
+    TORCH_CHECK(rows->dim() == 3 && rows->size(1) == KV && rows->is_contiguous() &&
+                    rows->scalar_type() == at::kLong && k.is_contiguous() && v.is_contiguous(),
+                "token_attention: rows [Sq, KV, L] contiguous int64 and contiguous k, v are needed");
+    rp = rows->data_ptr<int64_t>();
+    const int64_t N = k.numel() / k.size(3);
+    for (int64_t i = 0; i < rows->numel(); ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "token_attention: row ", rp[i], " out of range");
+  }
+  int64_t most = 1;  // keys of the longest span
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* s = sp + 3 * t;
+    TORCH_CHECK(s[0] >= 0 && s[0] < Sq && 0 <= s[1] && s[1] < s[2] && s[2] <= L, "token_attention: span (", s[0],
+                ", ", s[1], ", ", s[2], ") of token ", t, " is not within ", Sq, " sequences of ", L, " keys");
+    most = std::max(most, s[2] - s[1]);
+  }
   const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t KV = rows.size(1), L = rows.size(2);
-  return attend(q, KV, L, bias, scale, [&](int64_t s, int64_t h) {
-    return Keys{kp, vp, k.stride(0), v.stride(0), rp + (s * KV + h) * L, nullptr};
+  return attend(q, KV, most, scale, [&](int64_t t, int64_t h) {
+    const int64_t *s = sp + 3 * t, n = s[2] - s[1];
+    if (rp) return Keys{kp, vp, k.size(3), v.size(3), rp + (s[0] * KV + h) * L + s[1], nullptr, n};
+    return Keys{kp + s[0] * k.stride(0) + h * k.stride(1) + s[1] * k.stride(2),
+                vp + s[0] * v.stride(0) + h * v.stride(1) + s[1] * v.stride(2), k.stride(2), v.stride(2), nullptr,
+                nullptr, n};
   });
 }
 
 TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("decode_attention", decode_attention);
-  m.impl("paged_decode_attention", paged_decode_attention);
+  m.impl("token_attention", token_attention);
 }

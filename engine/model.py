@@ -6,14 +6,18 @@ MKL's or oneDNN's packed layouts on fp32 CPUs, which save the per-call repacking
 machine.
 The attention scale is folded into the q rows of the fused matrix when that is exact in any dtype (a power of two,
 as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) it is applied in the attention, as Hugging Face does.
-Attention softmax runs in fp32 whatever the weights' dtype; logits come out in fp32 for the sampler. Attention runs in two batched calls per layer, never a loop over sequences:
+Attention softmax runs in fp32 whatever the weights' dtype; logits come out in fp32 for the sampler.
+Attention runs in at most two batched calls per layer, never a loop over sequences:
   decodes (one query each) against a no-copy view of the first seats of the cache,
   prompt chunks (padded to the longest chunk) against a gather of their seats.
 On a paged cache both parts gather each sequence's keys through its block table (plan.dec_keys, plan.pre_keys)
-into one contiguous tensor, then run the same two calls; the fused decode kernel reads them in place instead.
+into one contiguous tensor, then run the same two calls. With the fused kernels, a step of decodes in seats
+0..n-1 or of whole prompts of one length keeps its dense call; any other step (scattered seats, ragged prompts,
+chunks after a cached prefix, decodes beside prompts, a paged cache) runs one call over all its tokens, each reading
+its own keys in place (plan.spans), with no padding, gather or scatter.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
-On fp32 CPUs the norms, rotary, SiLU x up, KV writes and decode attention run as fused kernels (engine/native.py)
-where they build, ATen's operators otherwise (`fused`).
+On fp32 CPUs the norms, rotary, SiLU x up, KV writes and attention (but that of whole prompts of one length) run as
+fused kernels (engine/native.py) where they build, ATen's operators otherwise (`fused`).
 A config is checked first (engine/support.py): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
@@ -38,20 +42,23 @@ class AttentionPlan:
     """Index tensors for one step, shared by every layer; built by the runner."""
     seats: torch.Tensor          # [T] seat of each token
     positions: torch.Tensor      # [T] position of each token in its sequence
-    dec_tok: torch.Tensor | None  # [Bd] flat indices of one-token chunks
-    dec_seats: torch.Tensor | None
-    dec_num_seats: int           # decode view covers seats [0, dec_num_seats)
-    dec_len: int                 # decode view length (longest context among decoders)
-    dec_bias: torch.Tensor | None  # [S, 1, 1, L] additive: 0 = attend, -inf = masked; None: nothing masked
-    dec_dense: bool              # all tokens are decodes and token i sits in seat i
-    pre_tok: torch.Tensor | None  # [Tp] flat indices of tokens in multi-token chunks
-    pre_slot: torch.Tensor | None  # [Tp] index into the padded [P * Qmax] query grid
-    pre_seats: torch.Tensor | None  # [P]
-    pre_shape: tuple[int, int, int]  # (P, Qmax, Lp)
-    pre_mask: torch.Tensor | None  # [P, 1, Qmax, Lp] bool; None when every chunk starts at 0 (plain causal)
+    dec_tok: torch.Tensor | None = None  # [Bd] flat indices of one-token chunks
+    dec_seats: torch.Tensor | None = None
+    dec_num_seats: int = 0       # decode view covers seats [0, dec_num_seats)
+    dec_len: int = 0             # decode view length (longest context among decoders)
+    dec_bias: torch.Tensor | None = None  # [S, 1, 1, L] additive: 0 = attend, -inf = masked; None: nothing masked
+    dec_dense: bool = False      # all tokens are decodes and token i sits in seat i
+    pre_tok: torch.Tensor | None = None  # [Tp] flat indices of tokens in multi-token chunks
+    pre_slot: torch.Tensor | None = None  # [Tp] index into the padded [P * Qmax] query grid
+    pre_seats: torch.Tensor | None = None  # [P]
+    pre_shape: tuple[int, int, int] = (0, 0, 0)  # (P, Qmax, Lp)
+    pre_mask: torch.Tensor | None = None  # [P, 1, Qmax, Lp] bool; None when every chunk starts at 0 (plain causal)
     pre_dense: bool = False      # only whole prompts, all of one length: this step's q, k, v are the grid
     dec_keys: torch.Tensor | None = None  # paged: [Bd, KV, Ld] cache rows of each decode's keys (dec_bias masks)
     pre_keys: torch.Tensor | None = None  # paged: [P, KV, Lp] cache rows of each chunk's keys (pre_shape's Lp)
+    spans: torch.Tensor | None = None  # [T, 3] each token's (sequence, first key, end key): the fused kernel's
+                                       # attention of a step neither dense part takes (no other field is then set)
+    key_rows: torch.Tensor | None = None  # paged, with spans: [sequences, KV, L] cache rows of each sequence's keys
 
 
 _BUILT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Hugging Face model -> its FlatModel
@@ -190,12 +197,12 @@ class FlatModel:
         """ids: [T]; returns float32 logits [len(logit_rows), vocab].
 
         compiled: run a step of decodes only through torch.compile (Inductor, dynamic shapes): one graph per step
-        instead of ~70 eager operators per layer, the elementwise ones fused (on 2 AVX2 cores 1.04x eager's decode
-        rate at 1 and 64 rows, SmolLM2's shapes cut to 4 layers).
+        instead of the eager operators (on 2 AVX-512 cores 0.68-0.84x eager's SmolLM2 decode rate at 1 row and
+        0.86-1.00x at 64, eager running the fused kernels: README).
         Each kind of step (one row; several; several of one length; per kernel row bucket) is compiled once per
         process, from Inductor's disk cache when it has the graph (engine/compiled.py; LLMEngine.warm_up compiles
-        them all up front); cold, the whole SmolLM2 step took tens of minutes on 2 AVX2 cores. Where compiling
-        fails, those steps run eager from then on, the reason logged once and kept in `compiled_step.error`.
+        them all up front); cold, SmolLM2's up to 64 rows took 21 minutes on 2 AVX-512 cores (12 cached). Where
+        compiling fails, those steps run eager from then on, the reason logged once and kept in `compiled_step.error`.
         graphs: pad those steps to a few shapes (see _bucketed); with `compiled` on CUDA each shape is captured
         once as a CUDA graph (mode "reduce-overhead") and replayed, so a decode step is one launch."""
         if not (plan.dec_dense and (compiled or graphs)):
@@ -278,16 +285,14 @@ class FlatModel:
             grid = [t.view(P, Q, -1, D).transpose(1, 2) for t in (q, k, v)]
             o = F.scaled_dot_product_attention(*grid, is_causal=True, scale=self.attn_scale, enable_gqa=True)
             return o.transpose(1, 2).reshape(q.shape)
+        if plan.spans is not None:  # every token against its own keys, read in place (fused kernels only)
+            return self.fused.token_attention(q, cache.k[layer], cache.v[layer], plan.spans, plan.key_rows,
+                                              self.attn_scale)
         S, L = plan.dec_num_seats, plan.dec_len
         if plan.dec_dense:  # every token is a decode, token i in seat i: no scatter, no gather
             return self._decode(q, *cache.view(layer, S, L), plan.dec_bias).view(q.shape)
         out = torch.empty_like(q)
-        if plan.dec_keys is not None and self.fused is not None:  # paged: keys read in place through their rows
-            bias = None if plan.dec_bias is None else plan.dec_bias.view(plan.dec_keys.shape[0], -1)
-            out[plan.dec_tok] = self.fused.paged_decode_attention(
-                q[plan.dec_tok], cache.k[layer].view(-1, D), cache.v[layer].view(-1, D), plan.dec_keys, bias,
-                self.attn_scale)
-        elif plan.dec_keys is not None:  # paged: decode i against its own gathered keys
+        if plan.dec_keys is not None:  # paged: decode i against its own gathered keys
             out[plan.dec_tok] = self._decode(q[plan.dec_tok], *cache.gather(layer, plan.dec_keys), plan.dec_bias)
         elif plan.dec_tok is not None:
             qd = q.new_zeros(S, H, D)

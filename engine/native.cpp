@@ -106,7 +106,7 @@ TORCH_LIBRARY(lab, m) {
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
-  m.def("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor? bias, float scale) -> Tensor");
+  m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lab, CPU, m) {  // decode attention's two are registered in engine/decode_attention.cpp

@@ -1,5 +1,5 @@
 """The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_) and
-engine/decode_attention.cpp (decode_attention, paged_decode_attention), built into one library once per machine
+engine/decode_attention.cpp (decode_attention, token_attention), built into one library once per machine
 with the system's C++ compiler for the vector instructions torch uses here (AVX-512, AVX2 or none) and kept in
 $LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags (about 10 s on 2 cores). Where
 building or loading fails, `ops()` is None and the steps run ATen's operators instead; the reason is logged once
@@ -68,7 +68,7 @@ def _register_fakes() -> None:
     fake("lab::rotary_")(lambda qk, cos, sin: None)
     fake("lab::write_rows_")(lambda dst, rows, src: None)
     fake("lab::decode_attention")(lambda q, k, v, bias, scale: q.new_empty(q.shape))
-    fake("lab::paged_decode_attention")(lambda q, k, v, rows, bias, scale: q.new_empty(q.shape))
+    fake("lab::token_attention")(lambda q, k, v, spans, rows, scale: q.new_empty(q.shape))
 
 
 def ops():

@@ -68,19 +68,43 @@ class ModelRunner:
                 pre_spans.append((c.start, n))
             if c.sample:
                 logit_rows.append(t0 + n - 1)
+        dense = self._dense(dec_tok, dec_seats, pre_spans, qmax, len(ids))
+        if self.net.fused is not None and not dense:  # one fused call, each token against its own keys
+            return self._tensor(ids), self._tokenwise(seats, positions, out.chunks), self._tensor(logit_rows)
         if bs is None:
-            dec, dec_keys = self._decode_part(dec_tok, dec_seats, dec_lens, len(ids)), None
+            dec, dec_keys = self._decode_part(dec_tok, dec_seats, dec_lens, dense), None
         else:
             dec, dec_keys = self._paged_decode_part(dec_tok, dec_seats, dec_lens)
-        pre, pre_keys = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax, len(ids))
+        pre, pre_keys = self._prefill_part(pre_tok, pre_slot, pre_seats, pre_spans, qmax, dense)
         attn = AttentionPlan(self._tensor(seats), self._tensor(positions), *dec, *pre, dec_keys, pre_keys)
         return self._tensor(ids), attn, self._tensor(logit_rows)
 
-    def _decode_part(self, tok, seats, lens, num_tokens):
+    def _dense(self, dec_tok, dec_seats, pre_spans, qmax, num_tokens) -> bool:
+        """A step one dense call per layer serves: decodes only, token i in seat i (slot caches); or whole prompts
+        all of one length, which no sliding window cuts."""
+        if len(dec_tok) == num_tokens:
+            return self.block_size is None and dec_seats == dec_tok
+        win = self.net.window
+        return not dec_tok and all(s == 0 and n == qmax for s, n in pre_spans) and (win is None or qmax <= win)
+
+    def _tokenwise(self, seats, positions, chunks) -> AttentionPlan:
+        """Each token's (sequence, first key, end key): its seat's keys (a slot cache) or its chunk's block table
+        (paged: the rows of every chunk's keys in `key_rows`), from the window's start (or 0) to itself."""
+        win, bs = self.net.window, self.block_size
+        if bs is None:
+            seq = seats
+        else:
+            seq = [i for i, c in enumerate(chunks) for _ in c.tokens]
+        spans = [(s, 0 if win is None else max(0, p + 1 - win), p + 1) for s, p in zip(seq, positions)]
+        rows = None
+        if bs is not None:
+            rows = self._keys([c.blocks for c in chunks], -(-(max(positions) + 1) // bs) * bs)
+        return AttentionPlan(self._tensor(seats), self._tensor(positions), spans=self._tensor(spans), key_rows=rows)
+
+    def _decode_part(self, tok, seats, lens, dense):
         if not tok:
             return None, None, 0, 0, None, False
         num_seats, length = max(seats) + 1, max(lens)
-        dense = len(tok) == num_tokens and seats == tok  # only decodes, token i in seat i
         seat_len = [1] * num_seats           # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
             seat_len[s] = n
@@ -105,7 +129,7 @@ class ModelRunner:
         bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
         return bias[:, None, None, :]
 
-    def _prefill_part(self, tok, slot, seats, spans, qmax, num_tokens):
+    def _prefill_part(self, tok, slot, seats, spans, qmax, dense):
         """The plan's prompt-chunk fields and, paged, the rows of their keys (whole blocks through each chunk's
         table in `seats`)."""
         if not tok:
@@ -113,8 +137,7 @@ class ModelRunner:
         length = max(s + n for s, n in spans)
         if self.block_size is not None:
             length = -(-length // self.block_size) * self.block_size
-        mask = self._mask(spans, qmax, length)
-        dense = mask is None and len(tok) == num_tokens and all(n == qmax for _, n in spans)
+        mask = None if dense else self._mask(spans, qmax, length)
         paged = self.block_size is not None
         where = None if paged else self._tensor(seats)
         part = (self._tensor(tok), self._tensor(slot), where, (len(seats), qmax, length), mask, dense)

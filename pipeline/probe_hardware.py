@@ -25,7 +25,7 @@ SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by kind of operator
 PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
                              "flat::packed_linear", "mkldnn::_linear_pointwise", "flat::onednn_linear"),
          "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax", "lab::decode_attention",
-                              "lab::paged_decode_attention"),
+                              "lab::token_attention"),
          "RMS norms": ("aten::rms_norm", "lab::rms_norm"),
          "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; else "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans

@@ -132,9 +132,11 @@ class WrongPositionsRunner(ModelRunner):
 
     def plan(self, out):
         ids, attn, rows = super().plan(out)
-        if attn.dec_tok is not None:
+        starts = torch.tensor([0] + [len(c.tokens) for c in out.chunks]).cumsum(0)[:-1]
+        dec = starts[torch.tensor([len(c.tokens) == 1 for c in out.chunks])]  # the decode rows, whatever the plan
+        if len(dec):
             attn.positions = attn.positions.clone()
-            attn.positions[attn.dec_tok] = attn.dec_len - 1
+            attn.positions[dec] = attn.positions[dec].max()
         return ids, attn, rows
 
 

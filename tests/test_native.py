@@ -86,25 +86,60 @@ def test_decode_attention_equals_softmax_attention(heads, kv, d, masked):
     torch.testing.assert_close(lab.decode_attention(q, k, v, bias, 0.125), want)
 
 
+def each_token_alone(q, k, v, spans, scale):
+    """Reference: token t's query heads against keys [first, end) of its sequence, k and v [S, KV, L, D]."""
+    return torch.cat([reference_attention(q[t:t + 1], k[s:s + 1, :, a:b], v[s:s + 1, :, a:b], None, scale)
+                      for t, (s, a, b) in enumerate(spans.tolist())])
+
+
+def unread_poisoned(cache, spans):
+    """NaN in every key and value of `cache` [S, KV, L, D] that no span covers."""
+    covered = torch.zeros(cache.shape[0], cache.shape[2], dtype=torch.bool)
+    for s, a, b in spans.tolist():
+        covered[s, a:b] = True
+    cache.masked_fill_(~covered[:, None, :, None], torch.nan)
+
+
 @needs_lab
-def test_paged_decode_attention_reads_the_blocks_in_place():
-    """Through a paged cache's rows: the same as attention over the gathered keys; masked rows hold NaN, unread."""
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (14, 2, 64), (6, 2, 20)])
+def test_token_attention_reads_each_tokens_own_keys_in_a_slot_cache(heads, kv, d):
+    """Ragged prompts, a chunk after a cached prefix, a sliding window's span and lone decodes in scattered seats,
+    in one call; q a strided view as the fused projection gives it; keys no span covers hold NaN, never read."""
+    g = torch.Generator().manual_seed(heads + d)
+    S, cap = 6, 40
+    k, v = torch.randn(S, kv, cap, d, generator=g), torch.randn(S, kv, cap, d, generator=g)
+    spans = [(4, 0, p + 1) for p in range(7)]            # a whole prompt of 7 in seat 4
+    spans += [(1, 0, p + 1) for p in range(20, 33)]      # a chunk of 13 after a 20-token prefix in seat 1
+    spans += [(0, max(0, p - 5), p + 1) for p in range(9, 12)]  # a window of 6 keys in seat 0
+    spans += [(5, 0, 39), (2, 0, 1)]                     # decodes
+    spans = torch.tensor(spans)
+    q = torch.randn(len(spans), heads + 2 * kv, d, generator=g)[:, :heads]
+    want = each_token_alone(q, k, v, spans, 0.125)
+    unread_poisoned(k, spans)
+    unread_poisoned(v, spans)
+    torch.testing.assert_close(lab.token_attention(q, k, v, spans, None, 0.125), want)
+
+
+@needs_lab
+def test_token_attention_reads_a_paged_cache_through_its_rows():
+    """Through each sequence's block rows (blocks in no order): the same as attention over the gathered keys; rows
+    no span covers hold NaN, unread."""
     from engine.kv_cache import PagedCache
 
     g = torch.Generator().manual_seed(0)
     cache = PagedCache(1, 12, 4, 2, 16)
     cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
     cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
-    tables = torch.tensor([[3, 7, 1], [10, 0, 5]])  # blocks in no order, 12 positions each
-    rows = cache.keys(tables)
-    bias = torch.zeros(2, 12)
-    bias[1, 9:] = -torch.inf
-    q = torch.randn(2, 6, 16, generator=g)
-    want = reference_attention(q, *cache.gather(0, rows), bias, 0.25)
-    cache.k[0].view(-1, 16)[rows[1, :, 9:].reshape(-1)] = torch.nan
-    cache.v[0].view(-1, 16)[rows[1, :, 9:].reshape(-1)] = torch.nan
-    got = lab.paged_decode_attention(q, cache.k[0].view(-1, 16), cache.v[0].view(-1, 16), rows, bias, 0.25)
-    torch.testing.assert_close(got, want)
+    rows = cache.keys(torch.tensor([[3, 7, 1], [10, 0, 5]]))  # 12 positions each
+    spans = torch.tensor([(1, 0, 9), (1, 0, 10), (0, 0, 12), (0, 2, 5)])
+    k, v = cache.gather(0, rows)
+    q = torch.randn(4, 6, 16, generator=g)
+    want = each_token_alone(q, k, v, spans, 0.25)
+    unread_poisoned(k, spans)
+    unread_poisoned(v, spans)
+    for store, keys in ((cache.k[0], k), (cache.v[0], v)):  # blocks in no table, and unread rows, all NaN
+        store.fill_(torch.nan).view(-1, 16)[rows.view(-1)] = keys.reshape(-1, 16)
+    torch.testing.assert_close(lab.token_attention(q, cache.k[0], cache.v[0], spans, rows, 0.25), want)
 
 
 @needs_lab
@@ -113,6 +148,11 @@ def test_kernels_refuse_what_they_do_not_compute():
         lab.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(RuntimeError, match="q \\[S, H, D\\]"):
         lab.decode_attention(torch.ones(2, 3, 8), torch.ones(2, 2, 4, 8), torch.ones(2, 2, 4, 8), None, 1.0)
+    kv = torch.ones(3, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="span \\(1, 2, 5\\) of token 0 is not within 3 sequences of 4 keys"):
+        lab.token_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([[1, 2, 5]]), None, 1.0)
+    with pytest.raises(RuntimeError, match="span \\(0, 2, 2\\)"):  # no keys at all
+        lab.token_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([[0, 2, 2]]), None, 1.0)
 
 
 @pytest.mark.skipif(not HAS_CXX, reason=f"no {CXX} on the PATH")
