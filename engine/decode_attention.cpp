@@ -235,8 +235,9 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                 "token_attention: rows [Sq, KV, L] contiguous int64 and contiguous k, v are needed");
     rp = rows->data_ptr<int64_t>();
     const int64_t N = k.numel() / k.size(3);
-    for (int64_t i = 0; i < rows->numel(); ++i)
-      TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "token_attention: row ", rp[i], " out of range");
+    int64_t least = 0, top = 0;  // one vectorizable pass per call (every layer), one check after it
+    for (int64_t i = 0; i < rows->numel(); ++i) least = std::min(least, rp[i]), top = std::max(top, rp[i]);
+    TORCH_CHECK(least >= 0 && top < N, "token_attention: rows span [", least, ", ", top, "], beyond the cache's ", N);
   }
   int64_t most = 1;  // keys of the longest span
   for (int64_t t = 0; t < T; ++t) {

@@ -153,6 +153,9 @@ def test_kernels_refuse_what_they_do_not_compute():
         lab.token_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([[1, 2, 5]]), None, 1.0)
     with pytest.raises(RuntimeError, match="span \\(0, 2, 2\\)"):  # no keys at all
         lab.token_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([[0, 2, 2]]), None, 1.0)
+    with pytest.raises(RuntimeError, match="rows span \\[0, 12\\], beyond the cache's 12"):  # paged rows
+        lab.token_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([[0, 0, 4]]), torch.arange(13)[9:].view(1, 1, 4),
+                            1.0)
 
 
 @pytest.mark.skipif(not HAS_CXX, reason=f"no {CXX} on the PATH")
