@@ -25,9 +25,10 @@ test: setup
 GPU_EXP := gpu-$(shell date +%Y%m%d-%H%M%S)
 gpu-check: setup
 	pytest -m gpu -rs
-	dvc exp run --temp -n $(GPU_EXP) -S profile=gpu -S model=llama-3.1-8b-shape -S precision=bf16
-	python -m pipeline.machine_reports $(GPU_EXP)
+	dvc exp run --temp -n $(GPU_EXP) -S profile=gpu -S model=llama-3.1-8b-shape -S precision=bf16-cuda
+	python -m pipeline.tools.machine_reports $(GPU_EXP)
 
-# llama.cpp's server beside the engine server on the same model (builds llama-server from source once: minutes)
+# llama.cpp's server beside the engine server on the same model (builds llama-server from source once: minutes);
+# ARGS: Hydra overrides for the lab's side, e.g. make peer ARGS=precision=w4
 peer: setup
-	python -m pipeline.peer
+	python -m pipeline.tools.peer $(ARGS)

@@ -29,7 +29,7 @@ class Entry:
 
 
 @dataclass
-class Table:
+class BlockTable:
     """A request's blocks and how far its chain of full blocks has been registered."""
     blocks: list[int]
     full: int = 0              # leading blocks registered (or found registered already)
@@ -47,7 +47,7 @@ class BlockManager:
         self.watermark, self.prefix_caching = watermark, prefix_caching
         self.ref = [0] * num_blocks                               # block -> tables holding it
         self._free = OrderedDict.fromkeys(range(num_blocks))      # unreferenced blocks; taken from the front
-        self._tables: dict[str, Table] = {}                       # rid -> its table
+        self._tables: dict[str, BlockTable] = {}                       # rid -> its table
         self._entry: dict[int, Entry] = {}                        # registered block -> its entry
         self._by_key: dict[int, int] = {}                         # chain hash -> registered block
         self._serial = 0
@@ -55,9 +55,9 @@ class BlockManager:
         self.hit_tokens = 0        # of which found in the prefix cache (K/V not computed again)
 
     @classmethod
-    def sized(cls, kv: dict, num_seats: int, seat_tokens: int, kv_bytes_per_token: int | None) -> "BlockManager":
+    def sized(cls, kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None) -> "BlockManager":
         """The pool a paged conf/kv entry asks for: num_blocks; else memory_mb (MiB) / (block_size x the model's
-        KV bytes per token); else the slot cache's size (num_seats x seat_tokens) plus the watermark. Admission
+        KV bytes per token); else the slot cache's size (num_seats x max_request_tokens) plus the watermark. Admission
         keeps the watermark fraction of the blocks free, at least one."""
         bs = int(kv["block_size"])
         if kv["num_blocks"] is not None:
@@ -67,8 +67,8 @@ class BlockManager:
                 raise ValueError("kv.memory_mb needs the model's KV bytes per token; without a model (a simulation) "
                                  "give kv.num_blocks")
             n = int(kv["memory_mb"] * 2**20 // (bs * kv_bytes_per_token))
-        else:  # every seat's worst case, and the watermark on top, so that all of them can be admitted
-            n = num_seats * -(-seat_tokens // bs)
+        else:  # every running request's worst case, and the watermark on top, so that all of them can be admitted
+            n = num_seats * -(-max_request_tokens // bs)
             n += max(1, int(kv["watermark"] * n))
         return cls(n, bs, max(1, int(kv["watermark"] * n)), bool(kv["prefix_caching"]))
 
@@ -119,7 +119,7 @@ class BlockManager:
                 del self._free[b]
             self.ref[b] += 1
         fresh = [self._take() for _ in range(self.blocks_for(num_tokens) - len(hits))]
-        self._tables[rid] = Table(hits + fresh, len(hits), key, serial)
+        self._tables[rid] = BlockTable(hits + fresh, len(hits), key, serial)
         self.queried_tokens += num_tokens
         self.hit_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
@@ -144,7 +144,7 @@ class BlockManager:
         return True
 
     def cache(self, rid: str, num_computed: int, tokens: Tokens) -> None:
-        """Register the table's blocks that are now full of computed tokens."""
+        """Register the table's blocks that are full of computed tokens and not yet registered."""
         t, bs = self._tables[rid], self.block_size
         while self.prefix_caching and t.full < num_computed // bs:
             span = tuple(tokens(t.full * bs, (t.full + 1) * bs))

@@ -1,11 +1,11 @@
 """A step function through torch.compile, made on first use: Inductor's cache kept beside kernels.json, one graph
-per kind of step allowed, and eager from then on (the reason logged once, kept in `error`) where compiling fails."""
+per step shape allowed, and eager from then on (the reason logged once, kept in `error`) where compiling fails."""
 import logging
 import os
 
 import torch
 
-from engine import kernels
+from engine import machine
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ def keep_inductor_cache() -> None:
     from torch._inductor.utils import clear_caches
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kernels.cache_dir() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(machine.cache_dir() / "inductor")
         clear_caches()  # paths Inductor derived from the old place
 
 
@@ -35,7 +35,7 @@ class CompiledStep:
             return self.fn(*args)
         if self.run is None:
             keep_inductor_cache()
-            # a graph per kind of step (row bucket, masked or not; with graphs, per padded shape): more than 8
+            # a graph per step shape (row bucket, masked or not; with graphs, per padded shape): more than the default 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             torch.fx.experimental._config.use_duck_shape = False  # sizes equal by chance (rows, heads) stay apart
             for t in static() if cuda_graphs else ():
@@ -43,7 +43,7 @@ class CompiledStep:
             self.run = torch.compile(self.fn, dynamic=True, mode="reduce-overhead" if cuda_graphs else None)
         try:
             return self.run(*args)
-        except Exception as exc:  # no C++ compiler, an operator Inductor cannot lower...: eager from now on
+        except Exception as exc:  # no C++ compiler, an operator Inductor cannot lower...: eager for good
             self.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             log.warning("compiled steps failed; running them eager from now on: %s", self.error)
             return self.fn(*args)  # rewrites the same cache rows, if any were written

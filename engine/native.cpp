@@ -107,9 +107,19 @@ TORCH_LIBRARY(lab, m) {
   m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
+  m.def("q4_1_pack(Tensor blocks) -> Tensor");  // Q4_1 and Q8_0 products: engine/quant.cpp
+  m.def("q8_0_pack(Tensor blocks) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
+  m.def("bf16_pack(Tensor w) -> Tensor");  // bf16 products: engine/bf16.cpp
+  m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("layer(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!) k_cache, "  // layer.cpp
+        "Tensor(b!) v_cache, Tensor rows, Tensor? spans, Tensor? key_rows, Tensor? bias, int seats, int length, "
+        "int heads, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lab, CPU, m) {  // decode attention's two are registered in engine/decode_attention.cpp
+TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the two attention kernels are registered in engine/decode_attention.cpp
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);
   m.impl("rotary_", rotary_);

@@ -1,9 +1,9 @@
 """The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_) and
-engine/decode_attention.cpp (decode_attention, token_attention), built into one library once per machine
-with the system's C++ compiler for the vector instructions torch uses here (AVX-512, AVX2 or none) and kept in
-$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags (about 10 s on 2 cores). Where
-building or loading fails, `ops()` is None and the steps run ATen's operators instead; the reason is logged once
-and kept in `error`. The compiler: $CXX, else g++.
+engine/decode_attention.cpp (decode_attention, token_attention), built into one library once per machine with the
+system's C++ compiler for the vector instructions torch uses here (AVX-512, AVX2 or none) and kept in
+$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags. Where building or loading fails,
+`ops()` is None and the steps run ATen's operators instead; the reason is logged once and kept in `error`.
+The compiler: $CXX, else g++.
 """
 import hashlib
 import logging
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from engine import kernels
+from engine import machine
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native.cpp", HERE / "decode_attention.cpp"]  # compiled together; both include native.h
-HEADER = HERE / "native.h"
+SOURCES = [HERE / f for f in ("native.cpp", "decode_attention.cpp", "quant.cpp", "bf16.cpp", "layer.cpp")]
+HEADERS = [HERE / "native.h", HERE / "quant.h"]  # what the sources include
 ISA = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
        "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}  # torch's CPU capability -> compiler flags
 error: str | None = None  # why the kernels are not there, once tried
@@ -44,16 +44,23 @@ def compiler() -> str:
 def _build() -> Path:
     """The shared library for this source, torch and machine: compiled unless the cache has it."""
     flags = _flags()
-    code = b"".join(p.read_bytes() for p in [*SOURCES, HEADER])
+    code = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
-    lib = kernels.cache_dir() / "native" / f"lab_{key[:16]}.so"
+    lib = machine.cache_dir() / "native" / f"lab_{key[:16]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     cxx = compiler()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written library
+        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+        jobs = [subprocess.Popen([cxx, "-c", str(src), "-o", str(o), *flags], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for src, o in zip(SOURCES, objects)]  # in parallel
+        for job in jobs:
+            _, err = job.communicate()
+            if job.returncode:
+                raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
         out = Path(tmp) / lib.name
-        done = subprocess.run([cxx, *map(str, SOURCES), "-o", str(out), *flags], capture_output=True, text=True)
+        done = subprocess.run([cxx, *map(str, objects), "-o", str(out), *flags], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, lib)
@@ -69,6 +76,14 @@ def _register_fakes() -> None:
     fake("lab::write_rows_")(lambda dst, rows, src: None)
     fake("lab::decode_attention")(lambda q, k, v, bias, scale: q.new_empty(q.shape))
     fake("lab::token_attention")(lambda q, k, v, spans, rows, scale: q.new_empty(q.shape))
+    fake("lab::q4_1_pack")(lambda blocks: blocks.new_empty(blocks.shape))
+    fake("lab::q8_0_pack")(lambda blocks: blocks.new_empty(blocks.shape))
+    fake("lab::q4_1_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
+    fake("lab::q8_0_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
+    fake("lab::layer")(lambda x, *rest: x.new_empty(x.shape))
+    fake("lab::bf16_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1], dtype=torch.bfloat16))
+    fake("lab::bf16_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n))
+    fake("lab::q8_0_rows")(lambda w, ids: w.new_empty(ids.shape[0], w.shape[1] // 34 * 32, dtype=torch.float32))
 
 
 def ops():

@@ -1,19 +1,21 @@
 """The batching policies, one class each; `make_scheduler` builds one from a conf/policy entry.
 
 Request-level (a batch runs until its longest member ends; finished rows stay as zombies; slot KV only):
-  static, dynamic, bucketed.  Iteration-level (seats refilled every step; slot or paged KV): naive, continuous,
+  static, dynamic, bucketed.  Iteration-level (places refilled every step; slot or paged KV): naive, continuous,
   mixed, chunked.
 """
 import math
 
+from engine.config import group_entry
+from engine.outputs import ScheduledChunk, SchedulerOutput
 from engine.request import Request
-from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 
 PAD = "<pad>"  # rid of the padding chunk: no request owns it, so update() skips it
 
 
 class Continuous(Scheduler):
-    """Prefill-first: admit into free seats; a step is the newcomers' whole prompts, or one decode for all."""
+    """Prefill-first: admit while there is room; a step is the newcomers' whole prompts, or one decode for all."""
 
     def _admit_waiting(self, now: float) -> list[Request]:
         new = []
@@ -27,14 +29,14 @@ class Continuous(Scheduler):
         new = self._admit_waiting(now)
         prefill = [r for r in self.running if r.in_prompt]
         rows = prefill or self.running
-        return self._output([self._chunk(r, self.seat_tokens) for r in rows], new)
+        return self._output([self._chunk(r, self.max_request_tokens) for r in rows], new)
 
 
 class Naive(Continuous):
-    """One request at a time, first come first served: continuous with a single seat."""
+    """One request at a time, first come first served: continuous with room for one."""
 
-    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=()):
-        super().__init__(1, seat_tokens, eos_ids)
+    def __init__(self, max_running: int, max_request_tokens: int, eos_ids=()):
+        super().__init__(1, max_request_tokens, eos_ids)
 
 
 class Mixed(Continuous):
@@ -42,14 +44,14 @@ class Mixed(Continuous):
 
     def schedule(self, now: float) -> SchedulerOutput:
         new = self._admit_waiting(now)
-        return self._output([self._chunk(r, self.seat_tokens) for r in self.running], new)
+        return self._output([self._chunk(r, self.max_request_tokens) for r in self.running], new)
 
 
 class Chunked(Continuous):
     """A per-step token budget: decodes first, then prompt chunks; a cut prompt continues next step."""
 
-    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=(), token_budget: int = 128):
-        super().__init__(num_seats, seat_tokens, eos_ids)
+    def __init__(self, max_running: int, max_request_tokens: int, eos_ids=(), *, token_budget: int):
+        super().__init__(max_running, max_request_tokens, eos_ids)
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.token_budget = token_budget
@@ -80,10 +82,10 @@ class Dynamic(Scheduler):
 
     holds_finished = True
 
-    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=(), max_batch: int = 8,
-                 max_wait_ms: float = 50.0, pad_prompts: bool = False):
-        self.max_batch = min(num_seats, max_batch)
-        super().__init__(self.max_batch + int(pad_prompts), seat_tokens, eos_ids)
+    def __init__(self, max_running: int, max_request_tokens: int, eos_ids=(), *, max_batch: int, max_wait_ms: float,
+                 pad_prompts: bool = False):
+        self.max_batch = min(max_running, max_batch)
+        super().__init__(self.max_batch + int(pad_prompts), max_request_tokens, eos_ids)
         self.max_wait = max_wait_ms / 1000.0  # s; inf = pure static
         self.pad_seat = self.seats.allocate() if pad_prompts else None  # scratch row where pad tokens are computed
         self.batch_sizes: list[int] = []      # launched batch sizes, in order
@@ -107,20 +109,23 @@ class Dynamic(Scheduler):
         for r in batch:
             self._admit(r, now)
         self.batch_sizes.append(len(batch))
-        chunks = [self._chunk(r, self.seat_tokens) for r in batch]
+        chunks = [self._chunk(r, self.max_request_tokens) for r in batch]
         longest = max(len(r.prompt) for r in batch)
         pads = sum(longest - len(r.prompt) for r in batch) if self.pad_seat is not None else 0
-        for start in range(0, pads, self.seat_tokens):  # left-padding's tax: real tokens through every layer, discarded
-            chunks.append(ScheduledChunk(PAD, self.pad_seat, 0, (0,) * min(self.seat_tokens, pads - start),
-                                         sample=False, prompt=True))
+        # left-padding's tax: real tokens through every layer, discarded
+        for start in range(0, pads, self.max_request_tokens):
+            chunks.append(ScheduledChunk(PAD, 0, (0,) * min(self.max_request_tokens, pads - start), sample=False,
+                                         prompt=True, seat=self.pad_seat))
         return self._output(chunks, batch, pads)
 
 
 class Static(Dynamic):
     """Wait for a full batch of `max_batch`, with no deadline (a lone request waits forever)."""
 
-    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=(), max_batch: int = 8, pad_prompts: bool = False):
-        super().__init__(num_seats, seat_tokens, eos_ids, max_batch, math.inf, pad_prompts)
+    def __init__(self, max_running: int, max_request_tokens: int, eos_ids=(), *, max_batch: int,
+                 pad_prompts: bool = False):
+        super().__init__(max_running, max_request_tokens, eos_ids, max_batch=max_batch, max_wait_ms=math.inf,
+                         pad_prompts=pad_prompts)
 
 
 class Bucketed(Dynamic):
@@ -143,9 +148,13 @@ POLICIES = {"naive": Naive, "static": Static, "dynamic": Dynamic, "bucketed": Bu
             "continuous": Continuous, "mixed": Mixed, "chunked": Chunked}
 
 
-def make_scheduler(policy_cfg, seat_tokens: int, eos_ids=()) -> Scheduler:
-    """Build the scheduler for a conf/policy entry: {name, max_seats, ...knobs}."""
-    knobs = {k: v for k, v in dict(policy_cfg).items() if k not in ("name", "max_seats")}
-    if policy_cfg["name"] not in POLICIES:
-        raise ValueError(f"unknown policy {policy_cfg['name']!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[policy_cfg["name"]](int(policy_cfg["max_seats"]), seat_tokens, eos_ids, **knobs)
+def make_scheduler(policy_cfg, max_request_tokens: int, eos_ids=()) -> Scheduler:
+    """The scheduler for a conf/policy entry: {name, max_running, ...its knobs}; a knob not given takes its default
+    from conf/policy/<name>.yaml (the one place of defaults); a bad name or knob fails naming the valid ones."""
+    given = dict(policy_cfg)
+    full = group_entry("policy", given.get("name"))
+    if set(given) - set(full):
+        raise ValueError(f"policy {full['name']!r} has no knob {sorted(set(given) - set(full))}; it has {sorted(full)}")
+    knobs = {k: v for k, v in {**full, **given}.items() if k not in ("name", "max_running")}
+    return POLICIES[full["name"]](int(given.get("max_running", full["max_running"])), max_request_tokens, eos_ids,
+                                  **knobs)

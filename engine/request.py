@@ -56,6 +56,20 @@ class SamplingParams:
              f"must be an integer in [0, 20], got {self.logprobs!r}")
 
 
+def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_request_tokens: int) -> None:
+    """Raise RequestError, naming the field and the limit, for a request no engine of these limits would take."""
+    if not isinstance(prompt, list) or not prompt:
+        raise RequestError("prompt", "must be a non-empty list of token ids")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        raise RequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
+    params.validate(vocab_size)
+    total = len(prompt) + params.max_new_tokens
+    if total > max_request_tokens:
+        raise RequestError("max_new_tokens",
+                           f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                           f"= {total} exceeds max_request_tokens = {max_request_tokens}")
+
+
 def stop_reason(params: SamplingParams, eos_ids, token: int, num_output: int) -> str | None:
     """Why a request ends after appending `token` as its `num_output`-th token: "stop", "length", or None."""
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids):
@@ -76,13 +90,13 @@ class Request:
     params: SamplingParams
     arrival: float = 0.0                              # s, on the engine's clock
     status: Status = Status.WAITING
-    seat: int | None = None
+    seat: int | None = None                           # its row of the slot cache while running there
     num_computed: int = 0                             # tokens of the sequence (prompt + output) whose K/V are cached
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # s, one per output token
     admit_time: float | None = None                   # s, the first admission
     finish_time: float | None = None
-    finish_reason: str | None = None                  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None                  # "stop" | "length" | "abort"
     replayed: int = 0                                 # output tokens prefilled again with the prompt after a preemption
     num_cached: int = 0                               # tokens found in the prefix cache at the latest admission
     num_preemptions: int = 0

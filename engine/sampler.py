@@ -5,7 +5,7 @@ Rows with ignore_eos never pick an end-of-sequence id (its logits are set to -in
 Hugging Face generate and ignore_eos does in llama.cpp's server).
 
 Every tensor made here lives on the logits' device, and so do the per-request generators (a CUDA run draws on
-the GPU), so no step copies between devices before its one read-back of the chosen ids.
+the GPU), so sampling reads nothing back from the device but the chosen ids.
 """
 import torch
 
@@ -13,8 +13,8 @@ from engine.device import to_device
 
 
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """argmax over the last dim (the first maximum, as torch.argmax) by block maxima: ~5x faster than argmax
-    on [64, 49152] float32 logits here, where argmax's index-tracking loop is not vectorized and amax is."""
+    """argmax over the last dim (the first maximum, as torch.argmax) by block maxima: argmax's index-tracking loop
+    is not vectorized; amax is."""
     rows, n = x.shape
     if n % block or n == block:
         return x.argmax(dim=-1)
@@ -72,7 +72,7 @@ class Sampler:
     @staticmethod
     def _penalize(logits: torch.Tensor, params: list, seen: list[tuple[list[int], list[int]]]) -> torch.Tensor:
         """Repetition penalty over prompt + output tokens, then frequency and presence over output tokens
-        (vLLM's order); one scatter per kind for all rows."""
+        (vLLM's order); one scatter per token list (prompts, outputs) for all rows."""
         dev, (rows, vocab) = logits.device, logits.shape
 
         def counts(lists: list[list[int]]) -> torch.Tensor:

@@ -1,128 +1,23 @@
-"""The scheduler: who runs each step and how many tokens each. One SchedulerOutput per step.
+"""The scheduler: who runs each step and how many tokens each, one SchedulerOutput per step. Policies subclass it
+(engine/policies.py); the bookkeeping they share (queue, admission, appending tokens, finishing) lives here.
 
-Policies subclass Scheduler and override `schedule` (see engine/policies.py); the bookkeeping that
-every policy shares (queue, seats, appending tokens, finishing, zombie rows) lives here.
-
-On a paged KV cache (`use_blocks`) a seat is only a place among the running requests (max_seats caps them);
-their K/V live in blocks of an engine.blocks.BlockManager. Admission also needs blocks for the whole sequence
-(less its prefix-cache hits), and after every step each running request gets the block its next token lands in.
-When none is free, the newest running request is preempted: its blocks are freed, it returns to the front of the
-queue with the tokens it produced, and on readmission prefills prompt + output (recompute) and continues.
+On the slot cache each running request holds a seat (a row of the cache). On a paged cache (`use_blocks`) its K/V
+live in blocks of an engine.blocks.BlockManager: admission needs blocks for the whole sequence (less its
+prefix-cache hits), and after every step each running request gets the block its next token lands in; when none is
+free the newest running request is preempted (its blocks freed; back to the front of the queue with its output,
+prefilled again on readmission).
 """
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
 
 from engine.blocks import BlockManager
+from engine.outputs import KVUsage, RunnerOutput, ScheduledChunk, SchedulerOutput, StepEvent
 from engine.request import Request, Status, stop_reason
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    rid: str
-    seat: int
-    start: int                  # position of the first token in the sequence
-    tokens: tuple[int, ...]     # a whole prompt, a prompt chunk or one decode token
-    sample: bool                # take a token from the chunk's last position
-    prompt: bool = False        # the tokens are (part of) the prompt
-    zombie: bool = False        # a finished row kept in a static batch: computed, then discarded
-    blocks: tuple[int, ...] = ()  # paged KV: the request's block table (its positions in order)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...] = ()
-    new_ids: tuple[str, ...] = ()        # admitted this step
-    finished_ids: tuple[str, ...] = ()   # finished since the last step (aborts included)
-    preempted_ids: tuple[str, ...] = ()  # preempted since the last step (paged KV out of blocks)
-    num_pad_tokens: int = 0              # of which left-padding, computed and discarded (padded batch policies)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # rid -> tokens this step
-    num_cached_tokens: dict[str, int] = field(default_factory=dict)     # rid in new_ids -> prefix-cache hit tokens
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.chunks)  # padding chunks included
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt tokens fed this step (whole prompts, chunks and padding)."""
-        return sum(len(c.tokens) for c in self.chunks if c.prompt)
-
-    @property
-    def num_decode_rows(self) -> int:
-        """One-token decode rows this step (zombie rows included: they are computed)."""
-        return sum(1 for c in self.chunks if not c.prompt)
-
-    @property
-    def num_sampled_rows(self) -> int:
-        """Rows that produce a token (zombies included): the rows the LM head and the sampler see."""
-        return sum(1 for c in self.chunks if c.sample)
-
-    @property
-    def num_useful_rows(self) -> int:
-        """Rows whose token is kept."""
-        return sum(1 for c in self.chunks if c.sample and not c.zombie)
-
-    @property
-    def decode_attention(self) -> int:
-        """Query-key pairs per head of the decode attention as computed, against the longest decoding context: on
-        slots one query per seat up to the highest decoding one (a padded [seats, keys] view of the cache), on a
-        paged pool one per decode (its keys gathered through its block table, padded to the longest)."""
-        dec = [c for c in self.chunks if len(c.tokens) == 1]
-        if not dec:
-            return 0
-        rows = len(dec) if dec[0].blocks else max(c.seat for c in dec) + 1
-        return rows * max(c.start + 1 for c in dec)
-
-    @property
-    def prompt_attention(self) -> int:
-        """Query-key pairs per head of the prompt attention as computed: every multi-token chunk padded to the
-        longest chunk, against keys up to the furthest chunk end."""
-        pre = [c for c in self.chunks if len(c.tokens) > 1]
-        if not pre:
-            return 0
-        return len(pre) * max(len(c.tokens) for c in pre) * max(c.start + len(c.tokens) for c in pre)
-
-    @property
-    def multi_row(self) -> int:
-        """1 when more than one row goes through the layers (matrix-matrix products), 0 for a single row (the
-        matrix-vector path, a different kernel with its own cost)."""
-        return int(self.total_tokens > 1)
-
-    @property
-    def is_mixed(self) -> int:
-        """1 when prompt tokens and decodes share the pass (the attention splits in two parts), else 0."""
-        return int(self.kind == "mixed")
-
-    def features(self) -> dict[str, int]:
-        """The step's cost features (engine.simulator.FEATURES), the same for the engine's records and the
-        simulator's clock."""
-        return {"num_prompt_tokens": self.num_prompt_tokens, "num_decode_rows": self.num_decode_rows,
-                "num_sampled_rows": self.num_sampled_rows, "decode_attention": self.decode_attention,
-                "prompt_attention": self.prompt_attention, "is_mixed": self.is_mixed, "multi_row": self.multi_row}
-
-    @property
-    def kind(self) -> str:
-        """"idle", "prefill", "decode" or "mixed" (prompt tokens and decodes in one pass)."""
-        if not self.chunks:
-            return "idle"
-        prompt = any(c.prompt for c in self.chunks)
-        decode = any(not c.prompt for c in self.chunks)
-        return "mixed" if prompt and decode else ("prefill" if prompt else "decode")
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    rid: str
-    token: int | None           # None for an abort or error
-    finish_reason: str | None   # set on the request's last event
-    logprob: float | None = None                            # the token's log-probability, if asked
-    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, log-probability), most likely first
-
-
 class SeatTable:
-    """Which seats (rows of the KV cache) are free; lowest first, so used seats stay packed."""
+    """Which seats (rows of the slot cache) are free; lowest first, so used seats stay packed."""
 
     def __init__(self, num_seats: int):
         self.num_seats = num_seats
@@ -132,8 +27,8 @@ class SeatTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, n: int = 1) -> bool:
-        return len(self._free) >= n
+    def can_allocate(self) -> bool:
+        return bool(self._free)
 
     def allocate(self) -> int:
         return heapq.heappop(self._free)
@@ -147,42 +42,44 @@ class Scheduler(ABC):
 
     holds_finished = False
 
-    def __init__(self, num_seats: int, seat_tokens: int, eos_ids=()):
-        self.seats = SeatTable(num_seats)
-        self.seat_tokens = seat_tokens                      # tokens per seat (per request on paged KV)
+    def __init__(self, max_running: int, max_request_tokens: int, eos_ids=()):
+        self.max_running = max_running
+        self.max_request_tokens = max_request_tokens     # prompt + output of one request
+        self.seats: SeatTable | None = SeatTable(max_running)  # the slot cache's rows; None on paged KV
+        self.blocks: BlockManager | None = None          # paged KV (use_blocks)
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []              # holding a seat, admission order
+        self.running: list[Request] = []                 # admitted, in admission order
         self.requests: dict[str, Request] = {}
-        self.blocks: BlockManager | None = None       # paged KV (use_blocks); None: each seat holds its own rows
-        self.num_preemptions = 0                      # since construction
+        self.num_preemptions = 0                         # since construction
         self._finished_since: list[str] = []
         self._preempted_since: list[str] = []
+        self._queried = 0                                # blocks.queried_tokens at the last plan
 
     def use_blocks(self, blocks: BlockManager) -> None:
-        """Keep the K/V of running requests in a paged pool instead of a row per seat."""
+        """Keep the K/V of running requests in a paged pool instead of a seat each."""
         if self.holds_finished:
             raise ValueError(f"policy {type(self).__name__.lower()!r} runs on the slot cache only (kv=slot): a "
                              "request-level batch keeps its finished rows; paged KV serves naive, continuous, mixed "
                              "and chunked")
-        self.blocks = blocks
+        self.blocks, self.seats = blocks, None
 
     # --- the queue -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.requests[req.rid] = req
         self.waiting.append(req)
 
-    def abort(self, rid: str, now: float, reason: str = "abort") -> StepEvent | None:
+    def abort(self, rid: str, now: float) -> StepEvent | None:
         req = self.requests.get(rid)
         if req is None or req.status is Status.FINISHED:
             return None
         if req.status is Status.WAITING:
             self.waiting.remove(req)
-            self._close(req, reason, now)
+            self._close(req, "abort", now)
             del self.requests[rid]
         else:
-            self._finish(req, reason, now)
-        return StepEvent(rid, None, reason)
+            self._finish(req, "abort", now)
+        return StepEvent(rid, None, "abort")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -196,8 +93,8 @@ class Scheduler(ABC):
     def schedule(self, now: float) -> SchedulerOutput:
         """The policy: who runs this step and how many tokens each."""
 
-    def update(self, plan: SchedulerOutput, sampled: dict[str, int], now: float) -> list[StepEvent]:
-        """Append sampled tokens, finish requests, free seats; return one event per new token."""
+    def update(self, plan: SchedulerOutput, out: RunnerOutput, now: float) -> list[StepEvent]:
+        """Append sampled tokens, finish requests, free their places; one event per new token."""
         events = []
         for ch in plan.chunks:
             req = self.requests.get(ch.rid)
@@ -208,13 +105,14 @@ class Scheduler(ABC):
                 self.blocks.cache(req.rid, req.num_computed, req.tokens)
             if ch.zombie or not ch.sample or req.status is Status.FINISHED:
                 continue
-            token = sampled[ch.rid]
+            token = out.tokens[ch.rid]
             req.output.append(token)
             req.token_times.append(now)
             reason = stop_reason(req.params, self.eos_ids, token, len(req.output))
             if reason:
                 self._finish(req, reason, now)
-            events.append(StepEvent(req.rid, token, reason))
+            lp, top = out.logprobs.get(ch.rid, (None, None))
+            events.append(StepEvent(req.rid, token, reason, lp, top, cached_tokens=req.num_cached))
         if self.blocks is not None:
             self._grow()
         return events
@@ -227,12 +125,9 @@ class Scheduler(ABC):
                 self._preempt(self.running[-1])
 
     def _preempt(self, req: Request) -> None:
-        """Free a running request's seat and blocks; it waits at the front of the queue keeping its output, to be
-        prefilled again (prompt + output) on readmission."""
         self.running.remove(req)
-        self.seats.free(req.seat)
         self.blocks.free(req.rid)
-        req.status, req.seat, req.num_computed, req.replayed = Status.WAITING, None, 0, len(req.output)
+        req.status, req.num_computed, req.replayed = Status.WAITING, 0, len(req.output)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -240,13 +135,15 @@ class Scheduler(ABC):
 
     # --- helpers for policies --------------------------------------------------------------
     def _can_admit(self, req: Request) -> bool:
-        """A free seat and, on paged KV, room for the request's sequence above the watermark."""
-        return self.seats.can_allocate() and (self.blocks is None or
-                                              self.blocks.can_allocate(req.num_tokens, req.tokens))
+        """A free seat (slot cache), or room below max_running and blocks above the watermark (paged)."""
+        if self.blocks is None:
+            return self.seats.can_allocate()
+        return len(self.running) < self.max_running and self.blocks.can_allocate(req.num_tokens, req.tokens)
 
     def _admit(self, req: Request, now: float) -> None:
-        req.seat = self.seats.allocate()
-        if self.blocks is not None:
+        if self.blocks is None:
+            req.seat = self.seats.allocate()
+        else:
             req.num_cached = req.num_computed = self.blocks.allocate(req.rid, req.num_tokens, req.tokens)
         req.status = Status.RUNNING
         if req.admit_time is None:
@@ -254,13 +151,11 @@ class Scheduler(ABC):
         self.running.append(req)
 
     def _close(self, req: Request, reason: str, now: float) -> None:
-        req.status = Status.FINISHED
-        req.finish_reason = reason
-        req.finish_time = now
+        req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, now
         self._finished_since.append(req.rid)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
-        """Close a running request; free its seat now, or with its whole batch when rows are held."""
+        """Close a running request; free its place now, or with its whole batch when rows are held."""
         self._close(req, reason, now)
         if not self.holds_finished:
             self._release(req)
@@ -270,26 +165,38 @@ class Scheduler(ABC):
 
     def _release(self, req: Request) -> None:
         self.running.remove(req)
-        self.seats.free(req.seat)
-        if self.blocks is not None:
+        if self.blocks is None:
+            self.seats.free(req.seat)
+        else:
             self.blocks.free(req.rid)
         del self.requests[req.rid]
 
     def _chunk(self, req: Request, limit: int) -> ScheduledChunk:
         tokens = req.next_tokens(limit)
-        last = req.num_computed + len(tokens) >= req.prefill_len  # chunk reaches the end of the prefill
+        last = req.num_computed + len(tokens) >= req.prefill_len  # the chunk reaches the end of the prefill
         table = tuple(self.blocks.table(req.rid)) if self.blocks is not None else ()
-        return ScheduledChunk(req.rid, req.seat, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt,
-                              blocks=table)
+        return ScheduledChunk(req.rid, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt,
+                              seat=req.seat, blocks=table, params=req.params if last else None,
+                              history=(req.prompt, req.output) if last and req.params.penalized else None)
 
     def _zombie(self, req: Request) -> ScheduledChunk:
         """A finished row's dummy decode: its last token again, at its next position (clamped to the seat)."""
-        start = min(req.num_computed, self.seat_tokens - 1)
-        return ScheduledChunk(req.rid, req.seat, start, (req.output[-1] if req.output else req.prompt[-1],),
-                              sample=True, prompt=False, zombie=True)
+        start = min(req.num_computed, self.max_request_tokens - 1)
+        return ScheduledChunk(req.rid, start, (req.output[-1] if req.output else req.prompt[-1],), sample=True,
+                              zombie=True, seat=req.seat, params=req.params)
 
     def _output(self, chunks: list[ScheduledChunk], new: list[Request], pads: int = 0) -> SchedulerOutput:
         finished, self._finished_since = tuple(self._finished_since), []
         preempted, self._preempted_since = tuple(self._preempted_since), []
         return SchedulerOutput(tuple(chunks), tuple(r.rid for r in new), finished, preempted, pads,
-                               {c.rid: len(c.tokens) for c in chunks}, {r.rid: r.num_cached for r in new})
+                               {r.rid: r.num_cached for r in new}, self._usage(chunks))
+
+    def _usage(self, chunks: list[ScheduledChunk]) -> KVUsage:
+        scheduled = {c.rid: len(c.tokens) for c in chunks}
+        held = sum(r.num_computed + scheduled.get(r.rid, 0) for r in self.running)
+        if self.blocks is None:
+            return KVUsage(len(self.running), held, len(self.running) * self.max_request_tokens)
+        pool, queried = self.blocks, self.blocks.queried_tokens - self._queried
+        self._queried = pool.queried_tokens
+        return KVUsage(len(self.running), held, pool.num_used * pool.block_size, pool.num_used, pool.num_free,
+                       queried)

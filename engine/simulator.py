@@ -2,15 +2,14 @@
 model instead of running the model. One scheduler, two clocks.
 
 Cost model: step seconds = fixed + sum over FEATURES of coefficient x feature, the features being what the step
-computes (SchedulerOutput.features: rows through the layers, rows through the LM head and sampler, query-key pairs
-of the decode and of the prompt attention as computed (the decode keys weigh at long contexts, as in the
-shared-prefix table's 1,000-token decodes), whether the pass mixes prompts and decodes, and whether it carries more
-than one row: on a CPU one row takes the matrix-vector kernels, more rows the matrix-matrix ones, a jump in step
-time that no per-row cost describes). Every coefficient is >= 0.
+computes (SchedulerOutput.features): rows through the layers, rows through the LM head and sampler, query-key pairs
+of the decode and of the prompt attention as computed (decode keys weigh at long contexts), whether the pass mixes
+prompts and decodes, and whether it carries more than one row (on a CPU one row takes the matrix-vector kernels,
+more rows the matrix-matrix ones: a jump in step time that no per-row cost describes). Every coefficient is >= 0.
 """
 from dataclasses import dataclass, field
 
-from engine.scheduler import SchedulerOutput
+from engine.outputs import RunnerOutput, SchedulerOutput
 
 FEATURES = ("num_prompt_tokens", "num_decode_rows", "num_sampled_rows", "decode_attention", "prompt_attention",
             "is_mixed", "multi_row")
@@ -28,9 +27,10 @@ class CostModel:
     def step_time(self, plan: SchedulerOutput) -> float:
         return self.predict(plan.features())
 
-    def predict(self, features: dict) -> float:
-        """Seconds for a step with these feature values (a SchedulerOutput.features() dict or a record row)."""
-        return self.fixed + sum(c * features[f] for f, c in self.coef.items())
+    def predict(self, features) -> float:
+        """Seconds for a step with these feature values (a dict, a record row, or a StepRecord)."""
+        get = features.__getitem__ if isinstance(features, dict) else lambda f: getattr(features, f)
+        return self.fixed + sum(c * get(f) for f, c in self.coef.items())
 
     def as_dict(self) -> dict:
         return {"fixed": self.fixed, "coef": dict(self.coef)}
@@ -54,7 +54,7 @@ class VirtualClock:
 
 
 class SimRunner:
-    """Same interface as ModelRunner: run(plan, params) -> rid -> token; costs virtual time, computes nothing.
+    """Same interface as ModelRunner: run(plan) -> RunnerOutput; costs virtual time, computes nothing.
     A paged KV pool is the scheduler's (engine.blocks, model-free), so block budgets simulate as they run;
     kv_bytes_per_token sizes a pool given in MiB (kv.memory_mb), else give kv.num_blocks."""
 
@@ -62,13 +62,7 @@ class SimRunner:
                  kv_bytes_per_token: int | None = None):
         self.cost, self.clock, self.vocab_size = cost, clock, vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token
-        self.sampler = _NoSampler()
 
-    def run(self, out: SchedulerOutput, params: dict, seen: dict | None = None) -> dict[str, int]:
-        self.clock.advance(self.cost.step_time(out))
-        return {c.rid: 0 for c in out.chunks if c.sample}  # token 0: lengths come from the workload
-
-
-class _NoSampler:
-    def forget(self, rid: str) -> None:
-        pass
+    def run(self, plan: SchedulerOutput) -> RunnerOutput:
+        self.clock.advance(self.cost.step_time(plan))
+        return RunnerOutput({c.rid: 0 for c in plan.chunks if c.sample})  # token 0: lengths come from the workload

@@ -7,9 +7,10 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}  # hidden_act -> the function (HF
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # fixed frequencies: the model's rotary module is reused as is
 # fields of other families' configs that change the forward pass; refused when set rather than ignored
 FOREIGN_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "use_qk_norm",
-                  "qk_layernorm", "embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
-LAYER_PARAMS = {f"{block}.{proj}_proj.{kind}" for block, projs in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
-                for proj in projs for kind in ("weight", "bias")} | {"input_layernorm.weight",
+                  "qk_layernorm", "embedding_multiplier", "logits_scaling", "residual_multiplier",
+                  "attention_multiplier")
+LAYER_PARAMS = {f"{block}.{proj}_proj.{t}" for block, projs in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                for proj in projs for t in ("weight", "bias")} | {"input_layernorm.weight",
                                                                      "post_attention_layernorm.weight"}
 
 
@@ -41,10 +42,10 @@ def check_config(hf_model) -> int | None:
         refuse("lm_head.bias", "present", "the output projection has no bias")
     if cfg.model_type == "mistral":  # every layer windowed when sliding_window is set
         return cfg.sliding_window
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds == {"sliding_attention"}:
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if layer_types == {"sliding_attention"}:
         return cfg.sliding_window
-    if kinds != {"full_attention"}:  # qwen2: layers from max_window_layers on are windowed
+    if layer_types != {"full_attention"}:  # qwen2: layers from max_window_layers on are windowed
         refuse("layer_types", cfg.layer_types, "the window must cover every layer or none "
                "(use_sliding_window with max_window_layers = 0 or >= num_hidden_layers)")
     return None

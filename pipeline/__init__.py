@@ -1,1 +1,2 @@
-"""One module per DVC stage (python -m pipeline.<stage>), plus the load generator and metrics."""
+"""The lab's pipeline: DVC stages (pipeline.stages), the libraries they call (workloads, measuring, modeling,
+reporting) and entry points outside `dvc repro` (pipeline.tools)."""

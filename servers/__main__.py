@@ -1,4 +1,4 @@
-"""python -m servers [Hydra overrides], e.g. `python -m servers server=engine policy=continuous policy.max_seats=64
+"""python -m servers [Hydra overrides], e.g. `python -m servers server=engine policy=continuous policy.max_running=64
 port=8000`, `server=naive`, or `server=batcher server.max_batch=16 server.max_wait_ms=50`.
 Binds 127.0.0.1 unless told otherwise (host=0.0.0.0).
 
@@ -14,8 +14,8 @@ import uvicorn
 from omegaconf import OmegaConf
 
 from engine import LLMEngine
+from engine.config import compose_config, load_configured_model, load_engine_model
 from engine.loader import eos_ids
-from pipeline.config import compose_config, load_configured_model
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -23,18 +23,19 @@ from servers.worker import EngineWorker
 
 def build(cfg):
     """The app for a composed config: the model, the engine with the configured policy, its worker thread."""
-    model, tokenizer = load_configured_model(cfg, engine_only=cfg.server.name == "engine")
+    load = load_engine_model if cfg.server.name == "engine" else load_configured_model
+    model, tokenizer = load(cfg)
     if tokenizer is None:
         raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
     srv = cfg.server
     if srv.name == "engine":
-        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.seat_tokens), eos_ids(model),
+        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.max_request_tokens), eos_ids(model),
                            seed=int(cfg.seed), kv=OmegaConf.to_container(cfg.kv), compile=bool(cfg.precision.compile),
                            graphs=bool(cfg.precision.graphs))
         worker = EngineWorker(engine, int(srv.max_waiting))
     else:
-        worker = GenerateWorker(model, eos_ids(model), int(srv.seat_tokens), int(srv.max_batch), float(srv.max_wait_ms),
-                                int(srv.max_waiting), tokenizer.pad_token_id or 0)
+        worker = GenerateWorker(model, eos_ids(model), int(srv.max_request_tokens), int(srv.max_batch),
+                                float(srv.max_wait_ms), int(srv.max_waiting), tokenizer.pad_token_id or 0)
     key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
     return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens),
                       float(srv.max_queue_wait_s)), worker

@@ -4,12 +4,12 @@
 Admission: a request is refused at once with 429 and Retry-After (integer seconds) when the queue holds
 `max_waiting` requests, or when the worker's estimate of its wait to the first token exceeds `max_queue_wait_s`
 or the request's own deadline (Retry-After: the estimate's excess over that limit, at least 1 s: the work ahead
-drains in real time). While the server drains for shutdown, new requests get 503; so they do while it compiles
+clears in real time). While the server drains for shutdown, new requests get 503; so they do while it compiles
 its steps before serving (compiled steps on: LLMEngine.warm_up), /health saying "warming up".
 
 A request's deadline is the `x-stainless-read-timeout` header (seconds, a number), which the official OpenAI
 SDKs send with every request: the client's read timeout, after which it gives up on a response that has not
-started. A request whose first token has not come by then is dropped (aborted, its seat or queue place freed)
+started. A request whose first token has not come by then is dropped (aborted, its place in the engine or queue freed)
 and answered 408 (an error event when streaming). A client that disconnects, streaming or not, has its request
 aborted within one engine step.
 
@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
 from engine import RequestError, SamplingParams
-from pipeline.env import rss_mb
+from engine.machine import rss_mb
 from servers.generate_worker import NO_PER_ROW, GenerateWorker
 from servers.metrics import ServerMetrics
 from servers.protocol import ChatRequest, CompletionRequest, error
@@ -37,7 +37,7 @@ from servers.worker import EngineWorker
 
 FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages"}  # engine field -> API field
 DEADLINE_HEADER = "x-stainless-read-timeout"                           # s the client waits for a response
-STATUS = {"error": (500, "server_error"), "shutdown": (503, "server_error")}  # event prefix -> HTTP status, type
+FAILURES = {"error": (500, "server_error"), "shutdown": (503, "server_error")}  # finish reason -> status, error type
 
 
 class ApiKey:
@@ -59,20 +59,19 @@ class ApiKey:
 class Failed(Exception):
     """A request ended without an answer: the HTTP status, error type and message to send."""
 
-    def __init__(self, status: int, kind: str, message: str):
+    def __init__(self, status: int, error_type: str, message: str):
         super().__init__(message)
-        self.status, self.kind, self.message = status, kind, message
+        self.status, self.error_type, self.message = status, error_type, message
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.error_type, "param": None, "code": self.status}}
 
 
 def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str, api_key: str | None = None,
                default_max_tokens: int = 256, max_queue_wait_s: float = 10.0) -> FastAPI:
     app = FastAPI(title="LLM Batching Lab", version="0.1.0")
     metrics = ServerMetrics(model_name)
-    worker.on_step = lambda step, events: metrics.on_step(step, worker.num_seats, worker.num_running,
-                                                          worker.num_waiting)
+    worker.on_step = metrics.on_step
     eos = set(worker.eos_ids)
 
     @app.exception_handler(RequestValidationError)
@@ -205,6 +204,7 @@ class Stream:
         self.eos, self.q, self.worker, self.metrics, self.arrival = eos, q, worker, metrics, arrival
         self.deadline = deadline                      # time.perf_counter() by which the first token must come
         self.created, self.n, self.last = int(time.time()), 0, None
+        self.cached = 0                               # prompt tokens found in the prefix cache
         self.finish: str | None = None
         self.failed = False                           # the worker ended it with an error or shutdown event
         self.lp_entries: list[tuple[int, float, tuple]] = []  # (token, logprob, top) not yet sent
@@ -223,13 +223,12 @@ class Stream:
         try:
             while self.finish is None:
                 e = await self._next()
-                kind, _, msg = (e.finish_reason or "").partition(":")
-                if kind in STATUS:
+                if e.finish_reason in FAILURES:
                     self.failed = True
-                    raise Failed(*STATUS[kind], msg.strip())
+                    raise Failed(*FAILURES[e.finish_reason], e.error or e.finish_reason)
                 now = time.perf_counter()
                 if e.token is not None:
-                    self.n += 1
+                    self.n, self.cached = self.n + 1, e.cached_tokens
                     (self.metrics.ttft if self.last is None else self.metrics.itl).observe(
                         now - (self.arrival if self.last is None else self.last))
                     self.last = now
@@ -254,7 +253,7 @@ class Stream:
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt), "completion_tokens": self.n,
-                "total_tokens": len(self.prompt) + self.n}
+                "total_tokens": len(self.prompt) + self.n, "prompt_tokens_details": {"cached_tokens": self.cached}}
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])

@@ -1,11 +1,11 @@
 """Hugging Face `generate` behind the same worker interface as the engine: the naive server (one request at a
-time) and the batcher (seed 000's server_static: a collector forms a batch of up to `max_batch` requests, waiting
-at most `max_wait_ms` after the first, then one left-padded batch generate streams every row).
+time) and the batcher (a collector forms a batch of up to `max_batch` requests, waiting at most `max_wait_ms` after
+the first, then one left-padded batch generate streams every row).
 
 A batch is closed once it starts: newcomers wait for the whole batch, finished rows keep computing until the
 longest ends, and an infinite wait is pure static batching (a lone request waits for company forever).
-One sampling setting per batch (the first request's): batch generate has no per-row temperature or seed, and
-so no per-row penalties or logprobs either; the app refuses those on these backends (400, see NO_PER_ROW).
+One sampling setting per batch (the first request's): batch generate has no per-row temperature, seed, penalties
+or logprobs; the app refuses penalties and logprobs on these backends (400, see NO_PER_ROW).
 A failure inside generate ends every request of the batch and of the queue with an error event and marks the
 worker down.
 """
@@ -16,14 +16,15 @@ import traceback
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams, StepEvent
 from engine.hf import generate_padded
-from engine.request import stop_reason
-from engine.scheduler import StepEvent
+from engine.request import check_request, stop_reason
 from servers.worker import SHUTDOWN, Worker, hand_off
+
+BACKEND_DOWN = "the generate backend failed; see /health"
 
 NO_PER_ROW = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")  # SamplingParams fields
 
@@ -53,10 +54,10 @@ class BatchStreamer(BaseStreamer):
             return
         now = time.perf_counter()
         if self.last is not None:
-            self.worker._measure("decode", now - self.last, 0)
+            self.worker.measure_step("decode", now - self.last, 0)
         self.last = now
-        if self.worker._drain_overdue():
-            self.worker._fail(self.jobs, SHUTDOWN)
+        if self.worker.overdue():
+            self.worker.fail(self.jobs, "shutdown", SHUTDOWN)
             return
         tokens = value.view(-1).tolist()
         live, items = 0, []
@@ -72,8 +73,7 @@ class BatchStreamer(BaseStreamer):
             job.done = reason is not None
             items.append((job.loop, job.q, StepEvent(job.rid, token, reason)))
         hand_off(items)
-        if self.worker.on_step:
-            self.worker.on_step({"num_tokens": len(tokens), "num_prompt_tokens": 0, "useful_rows": live}, [])
+        self.worker.metrics_step(len(tokens), live)
 
     def end(self):
         for job in self.jobs:  # generate stopped (every row hit EOS or the batch's longest): close what is open
@@ -81,6 +81,20 @@ class BatchStreamer(BaseStreamer):
                 job.done = True
                 if job.rid not in self.worker.aborted:
                     job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, None, "length"))
+
+
+class NoEos(LogitsProcessor):
+    """End-of-sequence ids never chosen in the rows whose request asked for ignore_eos (the others may end)."""
+
+    def __init__(self, jobs: list[Job], eos_ids: list[int]):
+        self.rows = [i for i, j in enumerate(jobs) if j.params.ignore_eos]
+        self.eos_ids = eos_ids
+
+    def __call__(self, input_ids, scores):
+        if self.rows and self.eos_ids:
+            rows = torch.tensor(self.rows, device=scores.device)[:, None]
+            scores[rows, torch.tensor(self.eos_ids, device=scores.device)[None, :]] = -torch.inf
+        return scores
 
 
 class RowsDone(StoppingCriteria):
@@ -94,18 +108,25 @@ class RowsDone(StoppingCriteria):
 
 
 class GenerateWorker(Worker):
-    validate = LLMEngine.validate  # the engine's request checks, on this worker's vocab_size and seat_tokens
-
-    def __init__(self, model, eos_ids, seat_tokens: int, max_batch: int, max_wait_ms: float, max_waiting: int,
+    def __init__(self, model, eos_ids, max_request_tokens: int, max_batch: int, max_wait_ms: float, max_waiting: int,
                  pad_id: int = 0):
         super().__init__(max_waiting)
-        self.model, self.eos_ids, self.seat_tokens = model, set(eos_ids), seat_tokens
+        self.model, self.eos_ids, self.max_request_tokens = model, set(eos_ids), max_request_tokens
         self.vocab_size = model.config.vocab_size
         self.max_batch, self.max_wait, self.pad_id = max_batch, max_wait_ms / 1000.0, pad_id
-        self.num_seats = max_batch
+        self.max_running = max_batch
         self.aborted: set[str] = set()
         self.waiting: dict[str, Job] = {}   # rid -> job submitted and not yet in a batch (nor aborted)
         self.batch: list[Job] = []          # the batch generate is running
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """The engine's request checks, on this worker's vocabulary and max_request_tokens."""
+        check_request(prompt, params, self.vocab_size, self.max_request_tokens)
+
+    def metrics_step(self, rows: int, live: int) -> None:
+        """One generate step of `rows` rows, `live` of them kept, to the metrics (`on_step`)."""
+        if self.on_step:
+            self.on_step(rows, 0, live, self.num_running, self.num_waiting, self.num_running / self.max_running)
 
     @property
     def num_waiting(self) -> int:
@@ -119,7 +140,7 @@ class GenerateWorker(Worker):
         self.waiting[rid] = job
         self.inbox.put(job)
         if self.error is not None:  # the loop has died: no one will answer from the inbox
-            self._fail([job], "error: the generate backend failed; see /health")
+            self.fail([job], "error", BACKEND_DOWN)
 
     def abort(self, rid: str):
         self.aborted.add(rid)
@@ -136,11 +157,11 @@ class GenerateWorker(Worker):
                                           for i in range(0, len(queued), self.max_batch))
         return steps * self.decode_s
 
-    def _fail(self, jobs: list[Job], reason: str) -> None:
-        """End every open job in `jobs` with `reason` as its last event."""
+    def fail(self, jobs: list[Job], finish: str, message: str) -> None:
+        """End every open job in `jobs` with a `finish` ("error", "shutdown") event."""
         for job in jobs:
             if not job.done and job.rid not in self.aborted:
-                job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, None, reason))
+                job.loop.call_soon_threadsafe(job.q.put_nowait, StepEvent(job.rid, None, finish, error=message))
             job.done = True
             self.waiting.pop(job.rid, None)
 
@@ -170,15 +191,14 @@ class GenerateWorker(Worker):
     def _generate(self, batch: list[Job]):
         first = batch[0].params
         new = max(j.params.max_new_tokens for j in batch)
-        forced = max((j.params.max_new_tokens for j in batch if j.params.ignore_eos), default=0)
         sampling = {"do_sample": True, "temperature": first.temperature, "top_p": first.top_p,
                     "top_k": first.top_k or None} if first.temperature > 0 else {"do_sample": False}
         if first.seed is not None:
             torch.manual_seed(first.seed)
         self.num_running, self.batch = len(batch), batch
-        generate_padded(self.model, [j.prompt for j in batch], new, self.pad_id, min_new_tokens=forced,
+        generate_padded(self.model, [j.prompt for j in batch], new, self.pad_id, min_new_tokens=0,
                         streamer=BatchStreamer(self, batch), stopping_criteria=StoppingCriteriaList([RowsDone(batch)]),
-                        **sampling)
+                        logits_processor=LogitsProcessorList([NoEos(batch, sorted(self.eos_ids))]), **sampling)
         self.num_running = 0
 
     def _queued_jobs(self) -> list[Job]:
@@ -195,8 +215,8 @@ class GenerateWorker(Worker):
     def _loop(self):
         try:
             while not self._stop.is_set():
-                if self.draining and (self._drain_overdue() or not self.waiting):
-                    self._fail(self._queued_jobs(), SHUTDOWN)
+                if self.draining and (self.overdue() or not self.waiting):
+                    self.fail(self._queued_jobs(), "shutdown", SHUTDOWN)
                     break
                 batch = self._collect()
                 if batch:
@@ -205,5 +225,5 @@ class GenerateWorker(Worker):
                     self.batch = []
         except Exception:
             self.error = traceback.format_exc(limit=3)
-            self._fail(self.batch + self._queued_jobs(), "error: the generate backend failed; see /health")
+            self.fail(self.batch + self._queued_jobs(), "error", BACKEND_DOWN)
             self.num_running = 0

@@ -6,52 +6,52 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+# attribute: (metric type, name, help, histogram buckets or None)
+SPECS = {
+    "ttft": (Histogram, "vllm:time_to_first_token_seconds", "Time to first token (s).", LATENCY_BUCKETS),
+    "itl": (Histogram, "vllm:inter_token_latency_seconds", "Gap between consecutive tokens (s).", LATENCY_BUCKETS),
+    "e2e": (Histogram, "vllm:e2e_request_latency_seconds", "Arrival to last token (s).", LATENCY_BUCKETS),
+    "running": (Gauge, "vllm:num_requests_running", "Requests running.", None),
+    "waiting": (Gauge, "vllm:num_requests_waiting", "Requests queued.", None),
+    "kv_usage": (Gauge, "vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1): blocks on a paged cache, "
+                 "seats on the slot cache.", None),
+    "prefix_queries": (Counter, "vllm:prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix "
+                       "cache.", None),
+    "prefix_hits": (Counter, "vllm:prefix_cache_hits", "Of those, tokens found cached (not computed).", None),
+    "preemptions": (Counter, "vllm:num_preemptions", "Requests preempted (blocks freed, recomputed later).", None),
+    "step_tokens": (Histogram, "vllm:iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS),
+    "prompt_tokens": (Counter, "vllm:prompt_tokens", "Prompt tokens processed.", None),
+    "generation_tokens": (Counter, "vllm:generation_tokens", "Tokens generated.", None),
+    "http_cpu": (Gauge, "lab:http_thread_cpu_seconds", "CPU seconds the HTTP event loop's thread has used (parsing, "
+                 "detokenizing, JSON, SSE writes), read at each scrape.", None),
+}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-
-        def bound(kind, name, doc, **kw):
-            return kind(name, doc, ["model_name"], registry=self.registry, **kw).labels(model_name)
-
-        self.ttft = bound(Histogram, "vllm:time_to_first_token_seconds", "Time to first token (s).",
-                          buckets=LATENCY_BUCKETS)
-        self.itl = bound(Histogram, "vllm:inter_token_latency_seconds", "Gap between consecutive tokens (s).",
-                         buckets=LATENCY_BUCKETS)
-        self.e2e = bound(Histogram, "vllm:e2e_request_latency_seconds", "Arrival to last token (s).",
-                         buckets=LATENCY_BUCKETS)
-        self.running = bound(Gauge, "vllm:num_requests_running", "Requests holding a seat.")
-        self.waiting = bound(Gauge, "vllm:num_requests_waiting", "Requests queued for a seat.")
-        self.kv_usage = bound(Gauge, "vllm:kv_cache_usage_perc", "Fraction of the KV cache in use (0-1): blocks on a "
-                              "paged cache, seats on the slot cache.")
-        self.prefix_queries = bound(Counter, "vllm:prefix_cache_queries", "Tokens of admitted sequences looked up in "
-                                    "the prefix cache.")
-        self.prefix_hits = bound(Counter, "vllm:prefix_cache_hits", "Of those, tokens found cached (not computed).")
-        self.preemptions = bound(Counter, "vllm:num_preemptions", "Requests preempted (blocks freed, recomputed "
-                                 "later).")
-        self.step_tokens = bound(Histogram, "vllm:iteration_tokens_total", "Tokens per engine step.",
-                                 buckets=TOKEN_BUCKETS)
-        self.prompt_tokens = bound(Counter, "vllm:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = bound(Counter, "vllm:generation_tokens", "Tokens generated.")
-        self.http_cpu = bound(Gauge, "lab:http_thread_cpu_seconds", "CPU seconds the HTTP event loop's thread has "
-                              "used (parsing, detokenizing, JSON, SSE writes), read at each scrape.")
+        for attr, (kind, name, doc, buckets) in SPECS.items():
+            extra = {"buckets": buckets} if buckets else {}
+            setattr(self, attr, kind(name, doc, ["model_name"], registry=self.registry, **extra).labels(model_name))
         self._finished = Counter("vllm:request_success", "Finished requests by reason (stop, length, abort, error).",
                                  ["model_name", "finished_reason"], registry=self.registry)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()
 
-    def on_step(self, step: dict, num_seats: int, running: int, waiting: int):
-        """Called from the engine thread after every forward pass."""
-        self.step_tokens.observe(step["num_tokens"])
-        self.prompt_tokens.inc(step["num_prompt_tokens"])
-        self.generation_tokens.inc(step["useful_rows"])
+    def on_step(self, tokens: int, prompt_tokens: int, generated: int, running: int, waiting: int, kv_usage: float,
+                prefix: tuple[int, int, int] | None = None) -> None:
+        """After every forward pass (from the worker's thread): its tokens, prompt tokens and tokens kept; the
+        requests running and waiting; the KV cache's used fraction; on a paged cache (prefix-cache queried tokens,
+        hit tokens, preemptions)."""
+        self.step_tokens.observe(tokens)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
         self.running.set(running)
         self.waiting.set(waiting)
-        if "blocks_used" in step:
-            self.kv_usage.set(step["blocks_used"] / (step["blocks_used"] + step["blocks_free"]))
-            self.prefix_queries.inc(step["queried_tokens"])
-            self.prefix_hits.inc(step["cached_tokens"])
-            self.preemptions.inc(step["preempted"])
-        else:
-            self.kv_usage.set(running / max(num_seats, 1))
+        self.kv_usage.set(kv_usage)
+        if prefix is not None:
+            self.prefix_queries.inc(prefix[0])
+            self.prefix_hits.inc(prefix[1])
+            self.preemptions.inc(prefix[2])

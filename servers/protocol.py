@@ -68,9 +68,9 @@ class ChatMessage(BaseModel):
         if not isinstance(v, list):
             raise ValueError("must be a string or a list of content parts")
         for part in v:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                raise ValueError(f"content parts of type {kind!r} are not supported: this model reads text only")
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type != "text":
+                raise ValueError(f"content parts of type {part_type!r} are not supported: this model reads text only")
             if not isinstance(part.get("text"), str):
                 raise ValueError("a text content part needs a 'text' string")
         return v

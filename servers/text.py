@@ -1,8 +1,8 @@
 """Token ids to streamed text: incremental and safe across multi-byte characters, with OpenAI stop strings.
 
-A tokenizer with a Rust backend decodes through its DecodeStream (one step per token, in Rust: about 0.6 µs a
-token against 11 for two Python-side decodes, on 2 AMD EPYC cores); any other decodes a short window per token
-(a window ending in U+FFFD waits for the next token)."""
+A tokenizer with a Rust backend decodes through its DecodeStream (one step per token, in Rust, instead of two
+Python-side decodes); any other decodes a short window per token (a window ending in U+FFFD waits for the next
+token)."""
 from tokenizers.decoders import DecodeStream
 
 

@@ -1,11 +1,11 @@
 """The engine loop in its own thread: a thread-safe inbox in, token events out to each request's asyncio queue.
 
-The thread sleeps on the inbox when the engine is idle, drains it before every step (adds and aborts), and hands
+The thread sleeps on the inbox when the engine is idle, empties it before every step (adds and aborts), and hands
 each step's events to the event loop in one call_soon_threadsafe. An exception fails every request in flight and
 marks the worker down (503 and /health). drain(grace_s) stops the loop once what is in flight has finished, or
-at the grace deadline, failing what is left with a "shutdown:" event.
+at the grace deadline, failing what is left with a "shutdown" event.
 
-With compiled steps, the loop first warms the engine up (LLMEngine.warm_up: every kind of compiled step, compiled
+With compiled steps, the loop first warms the engine up (LLMEngine.warm_up: every compiled step shape, compiled
 before the first request pays for it); `warming` is true until then.
 
 Admission by time: the worker measures its step costs (exponential moving averages) and estimates, for a new
@@ -18,11 +18,11 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 
-from engine import LLMEngine, SamplingParams
-from engine.scheduler import StepEvent
+from engine import LLMEngine, SamplingParams, StepEvent
 
 EMA = 0.2                                          # weight of the newest measurement in the moving averages
-SHUTDOWN = "shutdown: the server is shutting down and this request did not finish within the grace period"
+SHUTDOWN = "the server is shutting down and this request did not finish within the grace period"
+ENGINE_DOWN = "the engine failed; see /health"
 
 
 def hand_off(items: list[tuple]) -> None:
@@ -52,7 +52,7 @@ class Worker(ABC):
         self.warming = False                      # compiling the engine's steps before serving (/health: 503)
         self.warm_up_s = 0.0                      # seconds the warm-up took (LLMEngine.warm_up)
         self.num_running = 0
-        self.on_step = None                       # callback(step record, events) for metrics
+        self.on_step = None                       # ServerMetrics.on_step, called after each forward pass
         self.drain_deadline: float | None = None  # time.monotonic() s at which a drain fails what is left
         self.decode_s: float | None = None        # s per decode step (moving average)
         self.prefill_s: float = 0.0               # s per prompt token (moving average)
@@ -68,9 +68,8 @@ class Worker(ABC):
         """Estimated seconds from now to a new request's first token, from the work ahead of it."""
 
     def start(self):
-        """Run the loop in a thread of its own (tests). A server runs it in the main thread (`run`) instead:
-        torch's CPU thread pool belongs to the thread that loaded the model, and a step driven from another
-        thread measured about twice as slow here."""
+        """Run the loop in a thread of its own (tests). A server runs it in the main thread (`run`) instead, where
+        torch's CPU thread pool lives (the thread that loaded the model)."""
         self._thread.start()
 
     def run(self):
@@ -95,10 +94,11 @@ class Worker(ABC):
     def draining(self) -> bool:
         return self.drain_deadline is not None
 
-    def _drain_overdue(self) -> bool:
+    def overdue(self) -> bool:
+        """Draining, and past the grace deadline."""
         return self.draining and time.monotonic() >= self.drain_deadline
 
-    def _measure(self, kind: str, duration: float, prompt_tokens: int) -> None:
+    def measure_step(self, kind: str, duration: float, prompt_tokens: int) -> None:
         """Fold one step into the averages: decode steps give s/step (the fixed cost of any step); prefill and mixed
         steps give s/prompt token net of that fixed cost, so many prompts in one step are not charged it per token."""
         if kind == "decode":
@@ -128,8 +128,8 @@ class EngineWorker(Worker):
         return self.engine.scheduler.eos_ids
 
     @property
-    def num_seats(self) -> int:
-        return self.engine.scheduler.seats.num_seats
+    def max_running(self) -> int:
+        return self.engine.scheduler.max_running
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt, params)
@@ -141,21 +141,21 @@ class EngineWorker(Worker):
         self.pending[rid] = (len(prompt), params.max_new_tokens)
         self.inbox.put(("add", rid, prompt, params, loop, q))
         if self.error is not None:  # the loop has died: no one will answer from the inbox
-            loop.call_soon_threadsafe(q.put_nowait, StepEvent(rid, None, "error: the engine failed; see /health"))
+            loop.call_soon_threadsafe(q.put_nowait, StepEvent(rid, None, "error", error=ENGINE_DOWN))
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
 
     def wait_estimate(self, prompt_len: int, max_tokens: int) -> float:
-        """Seats free up as running requests finish (at most their tokens left, in decode steps); each queued
-        request takes the first seat to free for its max_tokens; the new request gets the next one. Requests whose
-        seats free at the same step are prefilled in one step: each such step costs a decode step plus the measured
+        """Places free up as running requests finish (at most their tokens left, in decode steps); each queued
+        request takes the first place to free for its max_tokens; the new request gets the next one. Requests whose
+        places free at the same step are prefilled in one step: each such step costs a decode step plus the measured
         cost per prompt token. 0 until a decode step was measured."""
         if self.decode_s is None:
             return 0.0
         running, waiting = self.ahead
         waiting = waiting + list(self.pending.values())
-        free = [0] * max(0, self.num_seats - len(running)) + list(running)
+        free = [0] * max(0, self.max_running - len(running)) + list(running)
         heapq.heapify(free)
         starts = set()  # decode steps from now at which queued requests are admitted (one prefill step each)
         for _, m in waiting:
@@ -164,6 +164,15 @@ class EngineWorker(Worker):
             heapq.heappush(free, start + m)
         steps = free[0] + len(starts | {free[0]})
         return steps * self.decode_s + (prompt_len + sum(p for p, _ in waiting)) * self.prefill_s
+
+    def _count(self, rec) -> None:
+        """A step's record to the metrics (on_step)."""
+        if self.on_step is None:
+            return
+        paged = rec.blocks_used is not None
+        usage = rec.blocks_used / (rec.blocks_used + rec.blocks_free) if paged else self.num_running / self.max_running
+        self.on_step(rec.num_tokens, rec.num_prompt_tokens, rec.useful_rows, self.num_running, self.num_waiting, usage,
+                     (rec.queried_tokens, rec.cached_tokens, rec.preempted) if paged else None)
 
     def _emit(self, events: list[StepEvent]):
         """Hand events to the streams still open; a finished request's stream closes."""
@@ -176,7 +185,8 @@ class EngineWorker(Worker):
                     del self.streams[e.rid]
         hand_off(items)
 
-    def _drain(self, block: bool, timeout: float | None):
+    def _take_inbox(self, block: bool, timeout: float | None):
+        """Apply the inbox's adds and aborts (waiting for the first up to `timeout` s if `block`)."""
         try:
             item = self.inbox.get(block=block, timeout=timeout)
         except queue.Empty:
@@ -188,7 +198,7 @@ class EngineWorker(Worker):
                 try:
                     self.engine.add_request(rid, prompt, params)
                 except Exception as exc:  # validated already; anything left is reported to that request only
-                    self._emit([StepEvent(rid, None, f"error: {exc}")])
+                    self._emit([StepEvent(rid, None, "error", error=str(exc))])
                 self.num_waiting = len(self.engine.scheduler.waiting)  # counted there before it leaves pending
                 self.pending.pop(rid, None)
             elif item[0] == "abort":
@@ -200,11 +210,12 @@ class EngineWorker(Worker):
             except queue.Empty:
                 return
 
-    def _fail_all(self, reason: str) -> None:
-        """Send `reason` as the last event of every request in flight or still in the inbox; abort them."""
-        self._drain(block=False, timeout=None)
+    def _fail_all(self, finish: str, message: str) -> None:
+        """End every request in flight or still in the inbox with a `finish` ("error", "shutdown") event; abort
+        them."""
+        self._take_inbox(block=False, timeout=None)
         rids = list(self.streams)
-        self._emit([StepEvent(rid, None, reason) for rid in rids])
+        self._emit([StepEvent(rid, None, finish, error=message) for rid in rids])
         if self.error is None:
             for rid in rids:
                 self.engine.abort(rid)
@@ -215,26 +226,23 @@ class EngineWorker(Worker):
             self.warming = False
             stalled = True  # the last step ran nothing: sleep until a request arrives or a batching deadline
             while not self._stop.is_set():
-                if self.draining and (self._drain_overdue() or not (self.streams or self.pending)):
-                    self._fail_all(SHUTDOWN)
+                if self.draining and (self.overdue() or not (self.streams or self.pending)):
+                    self._fail_all("shutdown", SHUTDOWN)
                     break
                 wake = self.engine.wake_time()
                 timeout = 0.5 if wake is None else max(0.0, wake - self.engine.now())
-                self._drain(block=stalled, timeout=timeout if stalled else None)
-                ran = len(self.engine.steps)
+                self._take_inbox(block=stalled, timeout=timeout if stalled else None)
                 events = self.engine.step()
-                stalled = len(self.engine.steps) == ran
+                records = self.engine.take_records()
+                stalled = not records
                 sched = self.engine.scheduler
                 self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
                 self.ahead = ([r.params.max_new_tokens - len(r.output) for r in sched.running],
                               [(len(r.prompt), r.params.max_new_tokens) for r in sched.waiting])
-                if not stalled:
-                    step = self.engine.steps[-1]
-                    self._measure(step["kind"], step["duration"], step["num_prompt_tokens"])
-                    if self.on_step:
-                        self.on_step(step, events)
-                del self.engine.steps[:-1]  # keep memory flat on a long-running server
+                for rec in records:
+                    self.measure_step(rec.kind, rec.duration, rec.num_prompt_tokens)
+                    self._count(rec)
                 self._emit(events)
         except Exception:
             self.error = traceback.format_exc(limit=3)
-            self._fail_all("error: the engine failed; see /health")
+            self._fail_all("error", ENGINE_DOWN)

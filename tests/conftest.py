@@ -43,7 +43,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model, prepared from its GGUF package on first use."""
-    from pipeline.prepare_model import prepare
+    from engine.loader import prepare
 
     cfg = model_cfg("smollm2-135m")
     cfg.path = str(ROOT / cfg.path)
@@ -57,7 +57,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir():
     """The folder with SmolLM2's tokenizer, prepared from its GGUF package on first use."""
-    from pipeline.prepare_model import prepare
+    from engine.loader import prepare
 
     cfg = model_cfg("smollm2-135m")
     cfg.path = str(ROOT / cfg.path)

@@ -36,13 +36,14 @@ class Server:
     """The app on a real loopback port in a thread, for real HTTP clients. policy: an engine policy, or
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
-    def __init__(self, model, tok, policy, api_key=None, max_waiting=64, seat_tokens=512, max_queue_wait_s=10.0,
+    def __init__(self, model, tok, policy, api_key=None, max_waiting=64, max_request_tokens=512, max_queue_wait_s=10.0,
                  kv="slot"):
         if policy["name"] == "generate":
-            self.worker = GenerateWorker(model, eos_ids(model), seat_tokens, policy["max_batch"], policy["max_wait_ms"],
+            self.worker = GenerateWorker(model, eos_ids(model), max_request_tokens, policy["max_batch"],
+                                         policy["max_wait_ms"],
                                          max_waiting)
         else:
-            self.engine = LLMEngine(model, policy, seat_tokens, eos_ids(model), kv=kv)
+            self.engine = LLMEngine(model, policy, max_request_tokens, eos_ids(model), kv=kv)
             self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
         self.port = free_port()
@@ -66,7 +67,7 @@ class Server:
         self.worker.stop()
 
 
-BACKENDS = {"engine": {"name": "continuous", "max_seats": 4},
+BACKENDS = {"engine": {"name": "continuous", "max_running": 4},
             "naive": {"name": "generate", "max_batch": 1, "max_wait_ms": 0},
             "batcher": {"name": "generate", "max_batch": 4, "max_wait_ms": 20}}
 
@@ -96,7 +97,7 @@ def metric(url: str, name: str, **labels) -> float:
                if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
 
 
-ONE_SEAT = {"engine": {"name": "continuous", "max_seats": 1},
+ONE_SEAT = {"engine": {"name": "continuous", "max_running": 1},
             "batcher": {"name": "generate", "max_batch": 1, "max_wait_ms": 0}}
 
 

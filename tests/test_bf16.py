@@ -1,20 +1,19 @@
-"""bf16 on the CPU (precision=bf16-cpu): the seed scenario against Hugging Face `generate` in bf16.
+"""A model held in bf16 (precision=bf16-cuda's engine, run here on the CPU): the seed scenario against Hugging Face
+`generate` in bf16.
 
 Two bf16 forward passes that add in different orders round differently, so exact equality is not the rule. The rule
 enforced: each request's tokens equal the reference's up to its first divergence, and a divergence is allowed only
 at a near-tie of the reference's own logits there: the engine's token scores within two bf16 steps (ulps) of the
-reference's best. Measured here (tiny-llama, tiny-qwen2, every policy): tiny-qwen2 agrees on every token; tiny-llama
-diverges on 2 of 6 requests, at an exact tie and at one ulp; SmolLM2-135M agreed on every token of all six requests
-under continuous, mixed and chunked (not part of the suite: about 2.5 min a policy in bf16 on an AVX2 CPU).
+reference's best.
 """
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from engine.config import compose_config
 from engine.hf import generate_alone
 from engine.loader import load_model
-from pipeline.config import compose_config
-from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
+from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 from tests.conftest import TINY, model_cfg
 
 
@@ -25,7 +24,7 @@ def ulp(x: float) -> float:
 
 @pytest.fixture(scope="module", params=TINY)
 def bf16(request):
-    precision = compose_config(["precision=bf16-cpu"]).precision
+    precision = compose_config(["precision=bf16-cuda", "precision.device=cpu"]).precision
     model, _ = load_model(model_cfg(request.param), precision.dtype, precision.device)
     assert next(model.parameters()).dtype == torch.bfloat16
     prompts = scenario_prompts(model, None)

@@ -7,7 +7,8 @@ import pytest
 import engine.blocks
 from engine import LLMEngine, RequestError, SamplingParams
 from engine.blocks import BlockManager
-from engine.engine import kv_config
+from engine.config import kv_config
+from engine.outputs import RunnerOutput
 from engine.policies import make_scheduler
 from engine.request import Request, Status
 from engine.simulator import CostModel, SimRunner, VirtualClock
@@ -176,14 +177,14 @@ def req(rid, prompt_len, max_new=4, first=3):
 
 
 def paged(policy, num_blocks, block_size=4, watermark=1, prefix_caching=True):
-    s = make_scheduler(policy, seat_tokens=256)
+    s = make_scheduler(policy, max_request_tokens=256)
     s.use_blocks(BlockManager(num_blocks, block_size, watermark, prefix_caching))
     return s
 
 
 def step(s, now=0.0, token=7):
     plan = s.schedule(now)
-    s.update(plan, {c.rid: token for c in plan.chunks if c.sample}, now)
+    s.update(plan, RunnerOutput({c.rid: token for c in plan.chunks if c.sample}), now)
     s.blocks.check()
     return plan
 
@@ -191,14 +192,14 @@ def step(s, now=0.0, token=7):
 @pytest.mark.parametrize("watermark, admitted", [(1, 3), (2, 2)])
 def test_admission_asks_for_blocks_above_the_watermark(watermark, admitted):
     """Prompts of 12 tokens take 3 blocks of 4 each; a pool of 10 keeps `watermark` free at admission."""
-    s = paged({"name": "continuous", "max_seats": 8}, 10, watermark=watermark)
+    s = paged({"name": "continuous", "max_running": 8}, 10, watermark=watermark)
     for i in range(4):
         s.add(req(str(i), 12, first=100 * i))
     assert len(s.schedule(0.0).new_ids) == admitted and len(s.waiting) == 4 - admitted
 
 
-def test_max_seats_still_caps_the_running_requests():
-    s = paged({"name": "continuous", "max_seats": 2}, 100)
+def test_max_running_still_caps_the_running_requests():
+    s = paged({"name": "continuous", "max_running": 2}, 100)
     for i in range(3):
         s.add(req(str(i), 5, first=100 * i))
     assert step(s).new_ids == ("0", "1")
@@ -207,7 +208,7 @@ def test_max_seats_still_caps_the_running_requests():
 def test_the_newest_running_request_is_preempted_and_resumes_with_its_output():
     """Three requests of 4-token prompts (one block each) on 5 blocks: at the 5th token each needs a second block;
     the newest gives its block up, waits at the front of the queue, then prefills prompt + output and continues."""
-    s = paged({"name": "continuous", "max_seats": 3}, 5, watermark=0, prefix_caching=False)
+    s = paged({"name": "continuous", "max_running": 3}, 5, watermark=0, prefix_caching=False)
     for i in range(3):
         s.add(req(str(i), 4, max_new=8, first=100 * i))
     s.add(req("late", 4, first=500))
@@ -221,7 +222,7 @@ def test_the_newest_running_request_is_preempted_and_resumes_with_its_output():
             if c.rid == "2" and c.prompt and s.requests["2"].output:
                 resumed = c
         sampled = {c.rid: t for c in plan.chunks if c.sample}
-        for e in s.update(plan, sampled, float(t)):
+        for e in s.update(plan, RunnerOutput(sampled), float(t)):
             tokens.setdefault(e.rid, []).append(e.token)
         s.blocks.check()
         if not s.has_work():
@@ -236,7 +237,7 @@ def test_the_newest_running_request_is_preempted_and_resumes_with_its_output():
 def test_preempted_requests_wait_ahead_of_new_ones_oldest_first():
     """Three prompts of one block each fill a pool of 3; after their first token the oldest needs a second block:
     the newest is preempted for it, then the middle one, needing one too, preempts itself."""
-    s = paged({"name": "continuous", "max_seats": 4}, 3, watermark=0, prefix_caching=False)
+    s = paged({"name": "continuous", "max_running": 4}, 3, watermark=0, prefix_caching=False)
     for i in range(3):
         s.add(req(str(i), 4, max_new=8, first=100 * i))
     step(s)
@@ -249,17 +250,18 @@ def test_preempted_requests_wait_ahead_of_new_ones_oldest_first():
 def test_request_level_policies_refuse_paged_kv():
     for name in ("static", "dynamic", "bucketed"):
         with pytest.raises(ValueError, match=f"'{name}'.*kv=slot"):
-            paged({"name": name, "max_seats": 4, "max_batch": 4}, 16)
+            paged({"name": name, "max_running": 4, "max_batch": 4}, 16)
 
 
-def sim_engine(policy, kv, seat_tokens=256):
+def sim_engine(policy, kv, max_request_tokens=256):
     clock = VirtualClock()
-    return LLMEngine(None, policy, seat_tokens, runner=SimRunner(CostModel(0.01, {"num_prompt_tokens": 1e-4}), clock),
+    return LLMEngine(None, policy, max_request_tokens,
+                     runner=SimRunner(CostModel(0.01, {"num_prompt_tokens": 1e-4}), clock),
                      clock=clock, kv=kv)
 
 
 def test_a_request_beyond_the_pool_is_refused_at_once():
-    eng = sim_engine({"name": "continuous", "max_seats": 4}, {"name": "paged", "num_blocks": 10, "block_size": 4})
+    eng = sim_engine({"name": "continuous", "max_running": 4}, {"name": "paged", "num_blocks": 10, "block_size": 4})
     assert eng.scheduler.blocks.watermark == 1
     eng.validate([5] * 30, SamplingParams(max_new_tokens=6))  # 36 tokens: 9 blocks, all the pool admits
     with pytest.raises(RequestError, match="10 KV blocks of 4; the pool has 10, of which 9") as err:
@@ -275,14 +277,14 @@ def test_kv_settings_fail_clearly():
     with pytest.raises(ValueError, match="no field \\['block_size'\\]"):
         kv_config({"name": "slot", "block_size": 16})
     with pytest.raises(ValueError, match="memory_mb needs the model"):
-        sim_engine({"name": "continuous", "max_seats": 4}, {"name": "paged", "memory_mb": 1})
+        sim_engine({"name": "continuous", "max_running": 4}, {"name": "paged", "memory_mb": 1})
     assert kv_config("paged")["prefix_caching"] is True
-    eng = sim_engine({"name": "continuous", "max_seats": 4}, "paged", seat_tokens=100)
+    eng = sim_engine({"name": "continuous", "max_running": 4}, "paged", max_request_tokens=100)
     assert eng.scheduler.blocks.num_blocks == 4 * 7 + 1  # 4 seats x 100 tokens in blocks of 16, + the watermark
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 8}, {"name": "mixed", "max_seats": 8},
-                                    {"name": "chunked", "max_seats": 8, "token_budget": 24}],
+@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 8}, {"name": "mixed", "max_running": 8},
+                                    {"name": "chunked", "max_running": 8, "token_budget": 24}],
                          ids=["continuous", "mixed", "chunked"])
 def test_a_tight_pool_in_simulation_preempts_and_finishes_everything(policy):
     eng = sim_engine(policy, {"name": "paged", "num_blocks": 24, "block_size": 4})
@@ -294,15 +296,15 @@ def test_a_tight_pool_in_simulation_preempts_and_finishes_everything(policy):
         for e in eng.step():
             events[e.rid].append(e.token)
         eng.scheduler.blocks.check()
-    assert eng.scheduler.num_preemptions > 0 and sum(s["preempted"] for s in eng.steps) > 0
+    assert eng.scheduler.num_preemptions > 0 and sum(r.preempted for r in eng.records) > 0
     assert all(len(events[r.rid]) == len(r.output) == r.params.max_new_tokens for r in reqs)
-    assert max(s["blocks_used"] for s in eng.steps) <= 24 and eng.scheduler.blocks.num_free == 24
-    assert sum(s["cached_tokens"] for s in eng.steps) > 0  # shared prefixes, and preempted requests' own blocks
+    assert max(r.blocks_used for r in eng.records) <= 24 and eng.scheduler.blocks.num_free == 24
+    assert sum(r.cached_tokens for r in eng.records) > 0  # shared prefixes, and preempted requests' own blocks
 
 
 def test_a_prefix_hit_skips_its_prompt_tokens():
     """The same 40-token prompt twice, one after the other: the second computes only what the cache lacks."""
-    eng = sim_engine({"name": "continuous", "max_seats": 4}, {"name": "paged", "block_size": 16})
+    eng = sim_engine({"name": "continuous", "max_running": 4}, {"name": "paged", "block_size": 16})
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)
     prompt = list(range(3, 43))
     eng.add_request("a", prompt, p)
@@ -310,10 +312,10 @@ def test_a_prefix_hit_skips_its_prompt_tokens():
         eng.step()
     eng.add_request("b", prompt, p)
     eng.add_request("c", prompt[:17] + [99] * 5, p)
-    n = len(eng.steps)
+    eng.take_records()
     eng.step()
-    first = eng.steps[n]
-    assert first["cached_tokens"] == 32 + 16 and first["num_prompt_tokens"] == (40 - 32) + (22 - 16)
+    first = eng.records[0]
+    assert first.cached_tokens == 32 + 16 and first.num_prompt_tokens == (40 - 32) + (22 - 16)
     while eng.has_work():
         eng.step()
     assert eng.scheduler.blocks.hit_tokens == 48

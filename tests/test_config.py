@@ -5,8 +5,9 @@ import pytest
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from pipeline.config import PARAMS, compose_config
-from pipeline.points import point_overrides, runs
+from engine.config import compose_config
+from pipeline.params import PARAMS
+from pipeline.workloads.runs import point_overrides, runs
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = [d.name for d in CONF.iterdir() if d.is_dir() and d.name != "experiment"]

@@ -7,12 +7,13 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.hf import generate_padded
+from engine.kv_cache import make_cache
 from engine.loader import load_model
+from engine.model import FlatModel
+from engine.outputs import ScheduledChunk, SchedulerOutput
 from engine.runner import ModelRunner
-from engine.scheduler import ScheduledChunk as Chunk
-from engine.scheduler import SchedulerOutput
-from pipeline.bench_cache import append_s
-from pipeline.speed import step_floor_ms
+from pipeline.measuring.cache import append_s
+from pipeline.measuring.timing import step_floor_ms
 from tests.conftest import TINY, model_cfg
 
 READ_BACK = "Cannot copy out of meta tensor|cannot be called on meta tensors"  # .tolist() / .item()
@@ -35,13 +36,18 @@ def meta_model(request):
     return model.to("meta")
 
 
+def plan_of(kind: str, params: SamplingParams) -> SchedulerOutput:
+    return SchedulerOutput(tuple(ScheduledChunk(rid, start, tokens, sample, prompt, seat=seat,
+                                                params=params if sample else None)
+                                 for rid, seat, start, tokens, sample, prompt in STEPS[kind]))
+
+
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("kind", list(STEPS))
 def test_engine_step_is_device_clean(meta_model, kind, sampling):
-    eng = LLMEngine(meta_model, {"name": "continuous", "max_seats": 4}, 64, eos_ids=[2])
-    plan = SchedulerOutput(tuple(Chunk(*c) for c in STEPS[kind]))
+    eng = LLMEngine(meta_model, {"name": "continuous", "max_running": 4}, 64, eos_ids=[2])
     with pytest.raises(NotImplementedError, match=READ_BACK):
-        eng.runner.run(plan, {c.rid: SAMPLING[sampling] for c in plan.chunks})
+        eng.runner.run(plan_of(kind, SAMPLING[sampling]))
 
 
 def test_generate_reference_places_inputs_on_the_model_device(meta_model, monkeypatch):
@@ -56,7 +62,7 @@ def test_generate_reference_places_inputs_on_the_model_device(meta_model, monkey
 
 def test_stage_measurements_run_on_the_model_device(meta_model):
     """Timed regions with no read-back run to the end on meta: the probe's step floor and the cache append."""
-    eng = LLMEngine(meta_model, {"name": "continuous", "max_seats": 16}, 64)
+    eng = LLMEngine(meta_model, {"name": "continuous", "max_running": 16}, 64)
     assert step_floor_ms(eng.runner.net, 4) >= 0
     assert append_s(eng.runner.cache, eng.runner.net, 10) >= 0
     assert eng.runner.cache.k[0].device.type == "meta"
@@ -73,9 +79,8 @@ class HostIndexRunner(ModelRunner):
 def test_a_cpu_tensor_by_mistake_is_caught(meta_model, kind):
     """The check has teeth: the same steps with host-made index tensors fail on a device mismatch, before any
     read-back."""
-    eng = LLMEngine(meta_model, {"name": "continuous", "max_seats": 4}, 64)
-    eng.runner.__class__ = HostIndexRunner
-    plan = SchedulerOutput(tuple(Chunk(*c) for c in STEPS[kind]))
+    net = FlatModel(meta_model)
+    runner = HostIndexRunner(net, make_cache("slot", net, 4, 64))
     with pytest.raises(RuntimeError, match="device") as err:
-        eng.runner.run(plan, {c.rid: SamplingParams() for c in plan.chunks})
+        runner.run(plan_of(kind, SamplingParams()))
     assert "meta" in str(err.value) and "copy out" not in str(err.value)

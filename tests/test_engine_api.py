@@ -6,14 +6,14 @@ from engine import LLMEngine, RequestError, SamplingParams
 
 @pytest.fixture()
 def engine(tiny_llama):
-    return LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, seat_tokens=32, eos_ids=[2])
+    return LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, max_request_tokens=32, eos_ids=[2])
 
 
 @pytest.mark.parametrize("prompt, params, field, text", [
     ([], SamplingParams(), "prompt", "non-empty"),
     ([1, 2, 99999], SamplingParams(), "prompt", "[0, 512)"),
     ([5] * 10, SamplingParams(max_new_tokens=0), "max_new_tokens", ">= 1"),
-    ([5] * 20, SamplingParams(max_new_tokens=13), "max_new_tokens", "seat_tokens = 32"),
+    ([5] * 20, SamplingParams(max_new_tokens=13), "max_new_tokens", "max_request_tokens = 32"),
     ([5], SamplingParams(temperature=-1.0), "temperature", "[0, 100]"),
     ([5], SamplingParams(top_p=0.0), "top_p", "(0, 1]"),
     ([5], SamplingParams(top_k=10**6), "top_k", "[0, 512]"),
@@ -45,10 +45,10 @@ def first_fresh(tokens: list[int]) -> int:
 def test_eos_stops_unless_ignored(tiny_llama):
     """EOS ends a request on its first appearance; under ignore_eos it is never emitted (as min_new_tokens does in
     generate) and the request runs to max_new_tokens; a stop token ends it even then."""
-    probe = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64).generate(
+    probe = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, max_request_tokens=64).generate(
         [[5, 6]], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     k = first_fresh(probe)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, seat_tokens=64, eos_ids=[probe[k]])
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, max_request_tokens=64, eos_ids=[probe[k]])
     free = eng.add_request("free", [5, 6], SamplingParams(max_new_tokens=40))
     forced = eng.add_request("forced", [5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True))
     while eng.has_work():
@@ -67,10 +67,11 @@ def test_eos_stops_unless_ignored(tiny_llama):
 
 
 def test_several_eos_ids_each_stop(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64, eos_ids=[])
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, max_request_tokens=64, eos_ids=[])
     probe = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     j = first_fresh(probe)
     unused = next(t for t in range(3, 512) if t not in probe)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 1}, seat_tokens=64, eos_ids=[unused, probe[j]])
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, max_request_tokens=64,
+                    eos_ids=[unused, probe[j]])
     out = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30))[0]
     assert out == probe[:j + 1]

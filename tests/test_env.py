@@ -1,4 +1,4 @@
-"""The process's peak memory over a timed block (pipeline.env.PeakRSS): the kernel's high-water mark, reset on entry,
+"""The process's peak memory over a timed block (engine.machine.PeakRSS): the kernel's high-water mark, reset on entry,
 with no thread running beside the measured work."""
 import os
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from pipeline.env import PeakRSS, rss_mb
+from engine.machine import PeakRSS, rss_mb
 
 
 def test_peak_covers_memory_freed_inside_the_block():

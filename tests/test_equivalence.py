@@ -8,11 +8,12 @@ from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
 from engine.hf import generate_alone
+from engine.kv_cache import make_cache
 from engine.loader import random_model
-from engine.model import _BUILT, ROW_BLOCK, FlatModel
+from engine.model import ROW_BLOCK, FlatModel
 from engine.request import Status
 from engine.runner import ModelRunner
-from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
+from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +56,14 @@ def random_policy(name: str, seats: int, rng: random.Random) -> dict:
     """chunked-under: a token budget (2 or more) below the seat count, so the budget, not the seats, caps the rows
     of a step and decodes can take all of it while prompts wait; chunked-over: a budget above the seat count."""
     if name == "chunked-under":
-        return {"name": "chunked", "max_seats": seats + 2, "token_budget": rng.randint(2, seats + 1)}
+        return {"name": "chunked", "max_running": seats + 2, "token_budget": rng.randint(2, seats + 1)}
     if name == "chunked-over":
-        return {"name": "chunked", "max_seats": seats, "token_budget": rng.randint(seats + 1, 40)}
+        return {"name": "chunked", "max_running": seats, "token_budget": rng.randint(seats + 1, 40)}
     if name in ("dynamic", "bucketed"):
-        return {"name": name, "max_seats": seats, "max_batch": seats, "max_wait_ms": rng.choice([0, 2000, 5000])}
+        return {"name": name, "max_running": seats, "max_batch": seats, "max_wait_ms": rng.choice([0, 2000, 5000])}
     if name == "static":
-        return {"name": name, "max_seats": seats, "max_batch": seats}
-    return {"name": name, "max_seats": seats}
+        return {"name": name, "max_running": seats, "max_batch": seats}
+    return {"name": name, "max_running": seats}
 
 
 def test_random_arrivals_cover_every_policy():
@@ -84,7 +85,7 @@ def test_abort_during_a_chunked_prefill_frees_its_seat(tiny_llama):
     """A prompt cut by the token budget is aborted half computed: its seat is free on the next step, the other
     request's tokens are generate's, and a shorter prompt placed in that seat ignores the K/V left there."""
     clock = [0.0]
-    eng = LLMEngine(tiny_llama, {"name": "chunked", "max_seats": 2, "token_budget": 8}, seat_tokens=64,
+    eng = LLMEngine(tiny_llama, {"name": "chunked", "max_running": 2, "token_budget": 8}, max_request_tokens=64,
                     clock=lambda: clock[0])
     prompts = {"other": [20, 21, 22, 23, 24], "long": list(range(100, 130)), "late": [7, 8, 9, 11, 12]}
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -113,8 +114,8 @@ def long_context_llama():
     return random_model(cfg, seed=1)
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 3},
-                                    {"name": "chunked", "max_seats": 3, "token_budget": 1500}],
+@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 3},
+                                    {"name": "chunked", "max_running": 3, "token_budget": 1500}],
                          ids=["continuous", "chunked"])
 def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, policy):
     """Prompts of 1,100 and 2,100 tokens (1 and 2 whole MLP blocks plus a tail) and a short one, staggered."""
@@ -122,7 +123,7 @@ def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, poli
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1100, 2100, 20)]
     lens = [6, 6, 12]
-    out = run_scenario(long_context_llama, policy, prompts, lens, {0: [0], 1: [1, 2]}, seat_tokens=2200)
+    out = run_scenario(long_context_llama, policy, prompts, lens, {0: [0], 1: [1, 2]}, max_request_tokens=2200)
     for i in range(3):
         assert out[str(i)] == generate_alone(long_context_llama, prompts[i], lens[i]), f"{policy['name']}: {i}"
 
@@ -130,20 +131,21 @@ def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, poli
 class WrongPositionsRunner(ModelRunner):
     """Seed 000's break-it: every decode row gets the longest row's position instead of its own."""
 
-    def plan(self, out):
-        ids, attn, rows = super().plan(out)
-        starts = torch.tensor([0] + [len(c.tokens) for c in out.chunks]).cumsum(0)[:-1]
-        dec = starts[torch.tensor([len(c.tokens) == 1 for c in out.chunks])]  # the decode rows, whatever the plan
+    def inputs(self, plan):
+        inputs = super().inputs(plan)
+        starts = torch.tensor([0] + [len(c.tokens) for c in plan.chunks]).cumsum(0)[:-1]
+        dec = starts[torch.tensor([len(c.tokens) == 1 for c in plan.chunks])]  # the decode rows, whatever the path
         if len(dec):
-            attn.positions = attn.positions.clone()
-            attn.positions[dec] = attn.positions[dec].max()
-        return ids, attn, rows
+            inputs.positions = inputs.positions.clone()
+            inputs.positions[dec] = inputs.positions[dec].max()
+        return inputs
 
 
 def test_wrong_position_ids_are_caught(references):
     name, model, prompts, ref = references
-    out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE,
-                       runner_cls=WrongPositionsRunner)
+    net = FlatModel(model)
+    runner = WrongPositionsRunner(net, make_cache("slot", net, 3, 256))
+    out = run_scenario(net, {"name": "continuous", "max_running": 3}, prompts, LENS, ARRIVE, runner=runner)
     differ = [i for i in range(len(ref)) if out[str(i)] != ref[i]]
     assert differ, f"{name}: broken position ids went unnoticed"
 
@@ -170,9 +172,10 @@ def test_compiled_decode_steps_match_generate(references):
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = references
+    net = FlatModel(model)
     counters.clear()
-    out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
-    one = run_scenario(model, {"name": "continuous", "max_seats": 1}, prompts[:2], LENS[:2], {0: [0, 1]},
+    out = run_scenario(net, {"name": "continuous", "max_running": 3}, prompts, LENS, ARRIVE, compile=True)
+    one = run_scenario(net, {"name": "continuous", "max_running": 1}, prompts[:2], LENS[:2], {0: [0, 1]},
                        compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
     assert [one["0"], one["1"]] == ref[:2], name
@@ -187,10 +190,10 @@ def test_warm_up_compiles_every_kind_of_step_up_front(references):
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = references
-    policy = {"name": "continuous", "max_seats": 3}
-    assert LLMEngine(model, policy, 256, compile=True).warm_up() > 0
+    policy, net = {"name": "continuous", "max_running": 3}, FlatModel(model)
+    assert LLMEngine(net, policy, 256, compile=True).warm_up() > 0
     counters.clear()
-    out = run_scenario(model, policy, prompts, LENS, ARRIVE, compile=True)
+    out = run_scenario(net, policy, prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
     assert not counters["stats"]["unique_graphs"], f"{name}: compiled after the warm-up"
 
@@ -200,7 +203,6 @@ def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
     eager, the reason logged once and kept; the tokens are still those of generate."""
     name, model, prompts, ref = references
     net = FlatModel(model)
-    monkeypatch.setitem(_BUILT, model, net)
 
     def broken(fn, **kw):
         def run(*a, **k):
@@ -209,15 +211,15 @@ def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
         return run
     calls = []
     monkeypatch.setattr(torch, "compile", broken)
-    out = run_scenario(model, {"name": "continuous", "max_seats": 3}, prompts, LENS, ARRIVE, compile=True)
+    out = run_scenario(net, {"name": "continuous", "max_running": 3}, prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
     assert calls == [1] and net.compiled_step.error == "RuntimeError: simulated: no C++ compiler found"
     assert [r.message for r in caplog.records if "eager" in r.message] == [
         "compiled steps failed; running them eager from now on: RuntimeError: simulated: no C++ compiler found"]
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous", "max_seats": 5}, {"name": "mixed", "max_seats": 5},
-                                    {"name": "dynamic", "max_seats": 5, "max_batch": 5, "max_wait_ms": 1500}],
+@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 5}, {"name": "mixed", "max_running": 5},
+                                    {"name": "dynamic", "max_running": 5, "max_batch": 5, "max_wait_ms": 1500}],
                          ids=lambda p: p["name"])
 def test_decode_steps_padded_for_graphs_match_generate(references, policy):
     """graphs=True (the shapes CUDA graphs are captured for, run eagerly here): decode steps padded to a power of two
@@ -231,6 +233,6 @@ def test_decode_steps_padded_for_graphs_match_generate(references, policy):
 def test_left_padding_costs_tokens_not_correctness(references):
     """pad_prompts: the batch's prompts padded to its longest, computed and discarded; the answers do not change."""
     name, model, prompts, ref = references
-    policy = {"name": "static", "max_seats": 3, "max_batch": 3, "pad_prompts": True}
+    policy = {"name": "static", "max_running": 3, "max_batch": 3, "pad_prompts": True}
     out = run_scenario(model, policy, prompts, LENS, ARRIVE)
     assert all(out[str(i)] == ref[i] for i in range(6)), name

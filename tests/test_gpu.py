@@ -7,9 +7,11 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.hf import generate_alone
-from engine.loader import eos_ids, load_model
-from pipeline.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
-from pipeline.speed import run_case
+from engine.loader import load_model
+from engine.model import FlatModel
+from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
+from pipeline.measuring.timing import engine_case, hf_case
+from pipeline.workloads.prompts import prompts_for
 from tests.conftest import TINY, model_cfg
 from tests.serving import BACKENDS, Server, client
 from tests.test_bf16 import agreement
@@ -52,7 +54,7 @@ def test_engine_speed_case_on_cuda(smollm2_tokenizer_dir, batch):
     cfg = model_cfg("smollm2-135m")
     cfg.path = str(smollm2_tokenizer_dir)
     model, tok = load_model(cfg, "bfloat16", "cuda")
-    row = run_case(model, tok, {"batch": batch, "prompt": "chat", "new_tokens": 32}, 1, eos_ids(model),
-                   tok.pad_token_id or 0)
-    print({k: row[k] for k in ("batch", "engine_tps", "hf_tps", "ratio", "decode_ratio", "engine_peak_mb")})
+    prompts = prompts_for("chat", batch, tok, model.config.vocab_size)
+    row = {**engine_case(FlatModel(model), prompts, 32, 1), **hf_case(model, prompts, 32, 1, tok.pad_token_id or 0)}
+    print({k: row[k] for k in ("batch", "engine_tps", "hf_tps", "engine_decode_tps", "engine_peak_mb")})
     assert row["engine_tps"] > 0 and row["hf_tps"] > 0

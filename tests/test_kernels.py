@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.hf import generate_alone
 from engine.compiled import keep_inductor_cache
-from engine.model import FlatModel, _BUILT
-from pipeline.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
+from engine.hf import generate_alone
+from engine.model import FlatModel
+from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 
 CPU = kernels.candidates(torch.device("cpu"), torch.float32)
-POLICIES = [{"name": "continuous", "max_seats": 3}, {"name": "chunked", "max_seats": 3, "token_budget": 16}]
+POLICIES = [{"name": "continuous", "max_running": 3}, {"name": "chunked", "max_running": 3, "token_budget": 16}]
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,8 @@ def references(tiny):
     return name, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
 
 
-def run_with(model, net, monkeypatch, policy, prompts):
-    monkeypatch.setitem(_BUILT, model, net)  # the engine built over `model` uses `net`
-    return run_scenario(model, policy, prompts, LENS, ARRIVE)
+def run_with(net, policy, prompts):
+    return run_scenario(net, policy, prompts, LENS, ARRIVE)
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p["name"])
@@ -38,8 +37,8 @@ def test_every_choice_gives_generates_tokens(references, kind, policy, monkeypat
     if kind == "per-bucket":
         for d in [net.lm_head, *(d for layer in net.layers for d in (layer[1], layer[2], layer[4], layer[5]))]:
             d.hold(CPU)
-            d.kinds = [CPU[i % len(CPU)] for i in range(len(kernels.BUCKETS))]
-    out = run_with(model, net, monkeypatch, policy, prompts)
+            d.products = [CPU[i % len(CPU)] for i in range(len(kernels.BUCKETS))]
+    out = run_with(net, policy, prompts)
     assert [out[str(i)] for i in range(6)] == ref, f"{name} {kind}"
 
 
@@ -118,25 +117,27 @@ def real_references(smollm2):
 @pytest.mark.parametrize("kind", CPU)
 def test_real_model_every_choice(real_references, kind, monkeypatch):
     model, prompts, ref = real_references
-    out = run_with(model, FlatModel(model, kernel=kind), monkeypatch, POLICIES[0], prompts)
+    out = run_with(FlatModel(model, kernel=kind), POLICIES[0], prompts)
     assert [out[str(i)] for i in range(6)] == ref, kind
 
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_step_split_finds_each_kind_of_operator(tiny, fused):
-    """probe_hardware's split of a decode step, on the fused kernels and on ATen's operators: matrix products,
-    decode attention, norms and KV writes each measured (non-zero), and the parts with the time outside operators
-    make up the profiled step; the net keeps its kernels afterwards."""
-    from pipeline.probe_hardware import PARTS, step_split
+    """probe_hardware's split of a decode step, on the fused kernels (one call per layer, its products counted apart)
+    and on ATen's operators (matrix products, decode attention, norms and KV writes each measured, non-zero); the
+    parts with the time outside operators make up the profiled step; the net keeps its kernels afterwards."""
+    from pipeline.measuring.hardware import PARTS, step_split
 
-    net = FlatModel.of(tiny[1])
+    net = FlatModel(tiny[1])
     ops = net.fused
     split = step_split(net, 4, steps=3, fused=fused)
     assert net.fused is ops
     assert split["kernels"] == ("fused" if fused and ops is not None else "ATen")
     parts = split["parts"]
-    assert list(parts) == [*PARTS, "other operators", "outside operators"]
-    assert all(parts[k] > 0 for k in PARTS) and parts["other operators"] > 0
+    layered = parts["rest of the layer call"] > 0
+    assert layered == (fused and ops is not None)
+    assert list(parts) == [*PARTS, "other operators", "rest of the layer call", "outside operators"]
+    assert all(parts[k] > 0 for k in (["matrix products", "rest of the layer call"] if layered else PARTS))
     ops = sum(v for k, v in parts.items() if k != "outside operators")
     assert ops + parts["outside operators"] == pytest.approx(max(split["profiled_ms"], ops))
     assert split["step_ms"] > 0
@@ -145,13 +146,13 @@ def test_step_split_finds_each_kind_of_operator(tiny, fused):
 def test_a_sustained_floor_runs_every_product_once_per_step(tiny_llama, monkeypatch):
     """engine_speed's floor: `steps` steps of every weight matrix (and the LM head) back to back per timed run,
     one warm-up run first unless not `warm`, the time given per step."""
-    from pipeline.speed import step_floor_ms
+    from pipeline.measuring.timing import step_floor_ms
 
-    net = FlatModel.of(tiny_llama)
+    net = FlatModel(tiny_llama)
     calls = []
     product = kernels.Dense.product
     monkeypatch.setattr(kernels.Dense, "product",
-                        lambda self, kind, x, residual=None: calls.append(x.shape[0]) or product(self, kind, x))
+                        lambda self, name, x, residual=None: calls.append(x.shape[0]) or product(self, name, x))
     per_step = 4 * len(net.layers) + 1
     assert step_floor_ms(net, 3, steps=5, repeats=2, warm=False) > 0
     assert calls == [3] * per_step * 5 * 2
@@ -223,9 +224,9 @@ def test_compiled_steps_call_the_packed_products_whole(references, kind, monkeyp
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = references
-    monkeypatch.setitem(_BUILT, model, FlatModel(model, kernel=kind))
+    net = FlatModel(model, kernel=kind)
     counters.clear()
-    out = run_scenario(model, POLICIES[0], prompts, LENS, ARRIVE, compile=True)
+    out = run_scenario(net, POLICIES[0], prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, f"{name} {kind}"
     assert not counters["graph_break"], dict(counters["graph_break"])
 

@@ -1,4 +1,4 @@
-"""The slot cache holds exactly seats x seat_tokens x per-token KV bytes and never grows; the cat cache does."""
+"""The slot cache holds exactly seats x max_request_tokens x per-token KV bytes and never grows; the cat cache does."""
 import torch
 
 from engine import LLMEngine, SamplingParams
@@ -6,10 +6,10 @@ from engine.kv_cache import CatCache, SlotCache
 
 
 def test_slot_cache_size_is_exact_and_fixed(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 3}, seat_tokens=96)
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 3}, max_request_tokens=96)
     # tiny-llama: K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes (fp32) = 512 bytes per token
     assert eng.runner.net.kv_bytes_per_token == 512
-    expected = 3 * 96 * 512  # seats x seat_tokens x bytes per token = 147,456 bytes
+    expected = 3 * 96 * 512  # seats x max_request_tokens x bytes per token = 147,456 bytes
     assert eng.runner.cache.nbytes == expected
     ptrs = [t.data_ptr() for t in eng.runner.cache.k]
     eng.generate([[5] * 10, [6] * 30], SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -17,9 +17,9 @@ def test_slot_cache_size_is_exact_and_fixed(tiny_llama):
 
 
 def test_write_lands_in_place():
-    c = SlotCache(num_layers=1, num_seats=2, seat_tokens=8, num_kv_heads=2, head_dim=4)
+    c = SlotCache(num_layers=1, num_seats=2, seat_len=8, num_kv_heads=2, head_dim=4)
     k = torch.arange(2 * 2 * 4, dtype=torch.float32).view(2, 2, 4)
-    slots = c.slots(torch.tensor([1, 0]), torch.tensor([5, 2]))
+    slots = c.rows(torch.tensor([1, 0]), torch.tensor([5, 2]))
     c.write(0, slots, k, -k)
     assert torch.equal(c.k[0][1, :, 5], k[0]) and torch.equal(c.v[0][0, :, 2], -k[1])
     assert c.k[0].abs().sum() == k.abs().sum()
@@ -27,8 +27,9 @@ def test_write_lands_in_place():
 
 def test_cat_cache_grows_and_gives_the_same_tokens(tiny_llama):
     prompts, p = [[5] * 10, [6] * 17], SamplingParams(max_new_tokens=20, ignore_eos=True)
-    slot = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, 64).generate(prompts, p)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, 64, kv="cat")
+    slot = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, 64).generate(prompts, p)
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, 64, kv="cat")
     assert isinstance(eng.runner.cache, CatCache) and eng.runner.cache.nbytes == 0
     assert eng.generate(prompts, p) == slot
-    assert eng.runner.cache.copied_bytes > 0 and eng.runner.cache.k[0].shape[2] == 17 + 20 - 1  # the last token is never fed back
+    # the last token is never fed back
+    assert eng.runner.cache.copied_bytes > 0 and eng.runner.cache.k[0].shape[2] == 17 + 20 - 1

@@ -11,8 +11,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pipeline.loadgen import closed_loop, main, open_loop, poisson, soak
-from pipeline.metrics import summarize
+from pipeline.measuring.loadgen import closed_loop, open_loop, poisson, soak
+from pipeline.measuring.metrics import summarize
+from pipeline.tools.loadgen import main
 from tests.serving import BACKENDS, Server, free_port, wait_for
 
 

@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from pipeline.metrics import summarize
+from pipeline.measuring.metrics import summarize
 
 
 def records():

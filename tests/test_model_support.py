@@ -1,16 +1,18 @@
 """Which model configs the engine runs: each supported variation matches generate token for token; every config
 field the flat forward pass does not compute is refused with a ValueError naming it."""
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.hf import generate_alone
+from engine.kv_cache import make_cache
 from engine.loader import random_model
 from engine.model import FlatModel
+from engine.outputs import ScheduledChunk, SchedulerOutput
 from engine.runner import ModelRunner
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from pipeline.equivalence import run_scenario
+from pipeline.measuring.equivalence import run_scenario
 
 BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 10000.0,
@@ -36,17 +38,19 @@ def tiny(model_type: str, **fields):
 def assert_matches_generate(model, policy: dict):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    out = run_scenario(model, {**policy, "max_seats": 3}, prompts, OUTPUT_LENS, {0: [0, 1], 3: [2]}, seat_tokens=64)
+    out = run_scenario(model, {**policy, "max_running": 3}, prompts, OUTPUT_LENS, {0: [0, 1], 3: [2]},
+                       max_request_tokens=64)
     for i, (p, n) in enumerate(zip(prompts, OUTPUT_LENS)):
         assert out[str(i)] == generate_alone(model, p, n), f"{policy['name']}: request {i}"
 
 
 def prefill_logits_error(model, prompt: list[int]) -> float:
     """Largest |engine - Hugging Face| logit over every position of one whole prompt (the engine's is ~2e-6 here)."""
-    runner = ModelRunner(model, num_seats=1, seat_tokens=64)
-    chunk = ScheduledChunk(rid="r", seat=0, start=0, tokens=tuple(prompt), sample=True, prompt=True)
-    ids, plan, _ = runner.plan(SchedulerOutput(chunks=(chunk,)))
-    got = runner.net.forward(ids, plan, runner.cache, torch.arange(len(prompt)))
+    net = FlatModel(model)
+    runner = ModelRunner(net, make_cache("slot", net, 1, 64))
+    chunk = ScheduledChunk(rid="r", start=0, tokens=tuple(prompt), sample=True, prompt=True, seat=0)
+    inputs = replace(runner.inputs(SchedulerOutput(chunks=(chunk,))), logit_rows=torch.arange(len(prompt)))
+    got = net.forward(inputs, runner.cache)
     with torch.inference_mode():
         ref = model(torch.tensor([prompt])).logits[0].float()
     return (got - ref).abs().max().item()
@@ -149,5 +153,5 @@ def test_a_large_shape_is_made_in_its_dtype_with_its_rotary_frequencies():
     assert torch.equal(model.model.rotary_emb.inv_freq, fresh.inv_freq)
     assert 0.01 < model.model.layers[0].mlp.up_proj.weight.float().std().item() < 0.03
     prompt = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = run_scenario(model, {"name": "continuous", "max_seats": 1}, [prompt], [6], {0: [0]}, seat_tokens=32)
+    out = run_scenario(model, {"name": "continuous", "max_running": 1}, [prompt], [6], {0: [0]}, max_request_tokens=32)
     assert out["0"] == generate_alone(model, prompt, 6)

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import native
-from engine.model import FlatModel, _BUILT
 from engine.hf import generate_alone
-from pipeline.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
+from engine.model import FlatModel
+from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 
 CXX = native.compiler()
 HAS_CXX = shutil.which(CXX) is not None
@@ -158,6 +158,7 @@ def test_kernels_refuse_what_they_do_not_compute():
                             1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_CXX, reason=f"no {CXX} on the PATH")
 def test_library_is_built_once_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
@@ -169,17 +170,17 @@ def test_library_is_built_once_per_machine(tmp_path, monkeypatch):
         raise AssertionError("compiled again although cached")
 
     monkeypatch.setattr(subprocess, "run", no_compiling)
+    monkeypatch.setattr(subprocess, "Popen", no_compiling)
     assert native._build() == lib
 
 
-POLICIES = [{"name": "continuous", "max_seats": 3}, {"name": "chunked", "max_seats": 3, "token_budget": 16}]
+POLICIES = [{"name": "continuous", "max_running": 3}, {"name": "chunked", "max_running": 3, "token_budget": 16}]
 
 
-def scenario_tokens(model, net, monkeypatch, policies):
-    """([each policy's tokens for the scenario from an engine over `model` running `net`], [generate's, alone])."""
-    monkeypatch.setitem(_BUILT, model, net)
+def scenario_tokens(model, net, policies):
+    """([each policy's tokens for the scenario from an engine running `net`], [generate's over `model`, alone])."""
     prompts = scenario_prompts(model, None)
-    runs = [run_scenario(model, policy, prompts, LENS, ARRIVE) for policy in policies]
+    runs = [run_scenario(net, policy, prompts, LENS, ARRIVE) for policy in policies]
     want = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
     return [[out[str(i)] for i in range(len(LENS))] for out in runs], [want] * len(policies)
 
@@ -197,15 +198,15 @@ def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch,
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     net = FlatModel(tiny_llama)
     assert net.fused is None
-    got, want = scenario_tokens(tiny_llama, net, monkeypatch, [POLICIES[0]])
+    got, want = scenario_tokens(tiny_llama, net, [POLICIES[0]])
     assert got == want
 
 
 @needs_lab
 @pytest.mark.parametrize("fused", [True, False])
-def test_both_paths_give_generates_tokens(tiny, fused, monkeypatch):
+def test_both_paths_give_generates_tokens(tiny, fused):
     name, model = tiny
     net = FlatModel(model, fused=fused)
     assert (net.fused is not None) == fused
-    got, want = scenario_tokens(model, net, monkeypatch, POLICIES)
+    got, want = scenario_tokens(model, net, POLICIES)
     assert got == want, name

@@ -9,10 +9,12 @@ import torch.nn.functional as F
 
 from engine import LLMEngine, SamplingParams
 from engine.hf import generate_alone
+from engine.kv_cache import PagedCache
 from engine.loader import eos_ids
+from engine.model import FlatModel
+from engine.outputs import ScheduledChunk, SchedulerOutput
 from engine.runner import ModelRunner
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from pipeline.equivalence import ARRIVE, LENS, scenario_prompts
+from pipeline.measuring.equivalence import ARRIVE, LENS, scenario_prompts
 
 BS = 4  # tokens per block in these tests: short prompts cross many block boundaries
 
@@ -21,8 +23,9 @@ def attend_through_tables(model, specs, num_blocks=64, seed=0):
     """One attention step of layer 0 on a paged cache. specs: (cached prefix length, new tokens, index of an earlier
     sequence whose prefix blocks this one shares, or None). Tables take blocks in shuffled order; each prefix's K/V
     is written through its table first. Returns (attention output, per-sequence reference from dense SDPA)."""
-    runner = ModelRunner(model, 1, 64, pool=(num_blocks, BS))
-    net, cache = runner.net, runner.cache
+    net = FlatModel(model)
+    cache = PagedCache(net.num_layers, num_blocks, BS, net.num_kv_heads, net.head_dim)
+    runner = ModelRunner(net, cache)
     KV, D = net.num_kv_heads, net.head_dim
     g = torch.Generator().manual_seed(seed)
     free = torch.randperm(num_blocks, generator=g).tolist()
@@ -36,15 +39,15 @@ def attend_through_tables(model, specs, num_blocks=64, seed=0):
             k[:m], v[:m] = truth[share][0][:m], truth[share][1][:m]
         truth.append((k, v))
         pos = torch.arange(start)
-        cache.write(0, cache.slots(torch.tensor(table, dtype=torch.long)[pos // BS], pos), k[:start], v[:start])
-        chunks.append(ScheduledChunk(str(i), 0, start, (5,) * n, sample=True, prompt=n > 1, blocks=tuple(table)))
+        cache.write(0, cache.rows(torch.tensor(table, dtype=torch.long)[pos // BS], pos), k[:start], v[:start])
+        chunks.append(ScheduledChunk(str(i), start, (5,) * n, sample=True, prompt=n > 1, blocks=tuple(table)))
     assert any(list(c.blocks) != list(range(c.blocks[0], c.blocks[0] + len(c.blocks))) for c in chunks)
-    _, plan, _ = runner.plan(SchedulerOutput(tuple(chunks)))
-    q = torch.randn(len(plan.positions), net.num_heads, D, generator=g)
+    inputs = runner.inputs(SchedulerOutput(tuple(chunks)))
+    q = torch.randn(len(inputs.positions), net.num_heads, D, generator=g)
     k_new = torch.cat([k[s:] for (k, _), (s, _, _) in zip(truth, specs)])
     v_new = torch.cat([v[s:] for (_, v), (s, _, _) in zip(truth, specs)])
-    cache.write(0, cache.slots(plan.seats, plan.positions), k_new, v_new)
-    out = net._attend(0, q, k_new, v_new, plan, cache)
+    cache.write(0, cache.rows(inputs.places, inputs.positions), k_new, v_new)
+    out = inputs.attention.attend(net, 0, q, k_new, v_new, cache)
     refs, t0 = [], 0
     for (k, v), (s, n, _) in zip(truth, specs):
         seen = torch.arange(s + n)[None, :] <= s + torch.arange(n)[:, None]  # causal, aligned to the keys' end
@@ -73,7 +76,7 @@ def test_attention_through_block_tables_equals_dense_sdpa(tiny, kind):
 
 def test_paged_pool_size_is_the_budget(tiny_llama):
     """1 MiB of tiny-llama K/V (512 bytes per token) in blocks of 16: 128 blocks, allocated once."""
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 4}, 96,
+    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 96,
                     kv={"name": "paged", "memory_mb": 1, "block_size": 16})
     assert eng.scheduler.blocks.num_blocks == 128 and eng.runner.cache.nbytes == 2**20
     ptrs = [t.data_ptr() for t in eng.runner.cache.k]
@@ -92,16 +95,16 @@ def paged_prompts(model) -> list[list[int]]:
 
 PAGED_LENS = [25, 8, 12, 20, 30, 14, 6, 18, 9]
 PAGED_ARRIVE = {0: [0, 1, 2], 2: [3, 4], 6: [5, 6], 9: [7, 8]}
-POLICIES = [{"name": "naive", "max_seats": 1}, {"name": "continuous", "max_seats": 4},
-            {"name": "mixed", "max_seats": 4}, {"name": "chunked", "max_seats": 4, "token_budget": 7}]
+POLICIES = [{"name": "naive", "max_running": 1}, {"name": "continuous", "max_running": 4},
+            {"name": "mixed", "max_running": 4}, {"name": "chunked", "max_running": 4, "token_budget": 7}]
 POOLS = {"roomy": 200, "tight": 22}  # tight: the longest request (65 tokens) fits alone, three do not
 
 
-def run_paged(model, policy, kv, prompts, lens, arrive, seat_tokens=256):
+def run_paged(model, policy, kv, prompts, lens, arrive, max_request_tokens=256):
     """Arrivals at given steps (1 s each on a virtual clock), the pool's invariants checked after every step;
     returns (engine, rid -> output, rid -> the tokens its events carried)."""
     clock = [0.0]
-    eng = LLMEngine(model, policy, seat_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], kv=kv)
+    eng = LLMEngine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], kv=kv)
     reqs, streamed, step = {}, {}, 0
     while step <= max(arrive) or eng.has_work():
         for i in arrive.get(step, []):
@@ -133,21 +136,21 @@ def test_paged_policies_match_generate(paged_references, policy, prefix_caching,
     for i, expected in enumerate(ref):
         assert out[str(i)] == expected, f"{name} {policy['name']}: request {i} differs"
         assert streamed[str(i)] == expected, f"{name} {policy['name']}: request {i}'s stream differs"
-    steps, blocks = eng.steps, eng.scheduler.blocks
-    cached = sum(s["cached_tokens"] for s in steps)
+    steps, blocks = eng.records, eng.scheduler.blocks
+    cached = sum(s.cached_tokens for s in steps)
     assert (cached > 0) == prefix_caching and blocks.hit_tokens == cached and blocks.num_free == blocks.num_blocks
     if pool == "tight" and policy["name"] != "naive":  # naive runs one request: it always fits
-        assert eng.scheduler.num_preemptions > 0 and sum(s["preempted"] for s in steps) > 0
+        assert eng.scheduler.num_preemptions > 0 and sum(s.preempted for s in steps) > 0
     if pool == "roomy":  # each prompt prefilled once: the prompt tokens computed drop by the hits
         assert eng.scheduler.num_preemptions == 0
-        assert sum(s["num_prompt_tokens"] for s in steps) == sum(map(len, prompts)) - cached
+        assert sum(s.num_prompt_tokens for s in steps) == sum(map(len, prompts)) - cached
 
 
 def test_paged_seed_scenario_matches_generate(tiny):
     """Seed 000's six prompts, staggered, in blocks of the default 16 tokens on the slot cache's memory."""
     name, model = tiny
     prompts = scenario_prompts(model, None)
-    _, out, _ = run_paged(model, {"name": "chunked", "max_seats": 3, "token_budget": 16}, "paged", prompts, LENS,
+    _, out, _ = run_paged(model, {"name": "chunked", "max_running": 3, "token_budget": 16}, "paged", prompts, LENS,
                           ARRIVE)
     assert [out[str(i)] for i in range(6)] == [generate_alone(model, p, n) for p, n in zip(prompts, LENS)], name
 

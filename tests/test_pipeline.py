@@ -46,7 +46,8 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
            "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
-    sh(f"git init -q && python -m pipeline.config model=tiny-chat {FAST} && git add -A && git commit -qm start", repo, env)
+    sh(f"git init -q && python -m pipeline.tools.write_params model=tiny-chat {FAST} && git add -A "
+       "&& git commit -qm start", repo, env)
     t = time.perf_counter()
     sh("dvc repro", repo, env)
     first = time.perf_counter() - t
@@ -55,11 +56,14 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     metrics = json.loads((repo / "reports" / "metrics.json").read_text())
     equal = {k: v for k, v in metrics.items() if k.startswith("equivalence.")}
     assert len(equal) == 7 and set(equal.values()) == {1.0}, equal  # every policy 6/6 token-equal
-    tput = {k: v for k, v in metrics.items() if k.endswith(".throughput_tps")}
+    tput = {k: v for k, v in metrics.items() if k.endswith(".throughput_tps") and "no_deadline" not in k}
     assert tput and min(tput.values()) > 0, tput
+    assert metrics["server.hf-static_(no_deadline).c4.throughput_tps"] == 0  # break-it: no batch fills, none ends
     assert metrics["all_policies.continuous.throughput_tps"] > metrics["all_policies.static.throughput_tps"]
     assert metrics["all_policies.continuous.ttft_p99_s"] < metrics["all_policies.static.ttft_p99_s"]
-    for n in (8, 24):  # prefix caching: hits exactly as computed from the prompts; none without it
+    sizes = {k.split(".")[2] for k in metrics if k.startswith("shared_prefix.S1024.N")}
+    assert len(sizes) == 2, sizes
+    for n in (int(size[1:]) for size in sizes):  # prefix caching: hits as computed from the prompts; none without
         assert metrics[f"shared_prefix.S1024.N{n}.cached.cached_tokens"] == \
             metrics[f"shared_prefix.S1024.N{n}.cached.expected_cached_tokens"] > 0
         assert f"shared_prefix.S1024.N{n}.uncached.cached_tokens" not in metrics or \
@@ -75,7 +79,7 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     assert all(f"{stage}:" in status for stage in MEASURED), status
     assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # this machine again: nothing else reruns
     sh("git add -A && git commit -qm results", repo, env)
-    sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S policy.max_seats=2", repo, env)
+    sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S policy.max_running=2", repo, env)
     diff = sh("dvc metrics diff", repo, env)
     assert "main.continuous.ttft_p99_s" in diff
     assert "server.engine-continuous.c64.throughput_tps" in metrics

@@ -4,17 +4,14 @@ import json
 
 import pytest
 
-from pipeline import report
-from pipeline.config import compose_config
-from pipeline.env import environment
+from engine.config import compose_config
+from engine.machine import environment
+from pipeline.reporting import report
 
 
 @pytest.fixture()
-def repo(tmp_path, monkeypatch):
-    """An empty repository layout with this machine's fingerprint, the report's paths pointing into it."""
-    monkeypatch.setattr(report, "ROOT", tmp_path)
-    monkeypatch.setattr(report, "REPORTS", tmp_path / "reports")
-    monkeypatch.setattr(report, "RESULTS", tmp_path / "data" / "results")
+def repo(tmp_path):
+    """An empty repository layout with this machine's fingerprint."""
     (tmp_path / "reports").mkdir()
     here = environment(2)
     (tmp_path / "reports" / "machine.json").write_text(json.dumps(here))
@@ -30,34 +27,31 @@ def test_report_refuses_figures_of_another_machine(repo):
     root, here, other = repo
     (root / "reports" / "equivalence.json").write_text(json.dumps(equivalence(other)))
     with pytest.raises(report.MixedMachines) as err:
-        report.main(compose_config([]))
+        report.build(compose_config([]), root)
     msg = str(err.value)
     assert "reports/equivalence.json" in msg and other["label"] in msg and here["label"] in msg
-    assert not (root / "reports" / "REPORT.md").exists()
 
 
 def test_report_labels_another_machines_file_when_told(repo):
     root, here, other = repo
     (root / "reports" / "equivalence.json").write_text(json.dumps(equivalence(other)))
-    report.main(compose_config(["report.other_machine=[reports/equivalence.json]"]))
-    text = (root / "reports" / "REPORT.md").read_text()
+    text, _ = report.build(compose_config(["report.other_machine=[reports/equivalence.json]"]), root)
     assert here["label"] in text and f"Measured on another machine: {other['label']}" in text
 
 
 def test_report_of_one_machine_names_it(repo):
     root, here, _ = repo
     (root / "reports" / "equivalence.json").write_text(json.dumps(equivalence(here)))
-    report.main(compose_config([]))
-    text = (root / "reports" / "REPORT.md").read_text()
+    text, _ = report.build(compose_config([]), root)
     assert here["label"] in text and "another machine" not in text and "| continuous | 6/6 |" in text
 
 
-def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path, monkeypatch):
+def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path):
     """machine_reports (make gpu-check): the newest experiment of that name has its reports copied under
     reports/machines/<its fingerprint id>/; the main reports stay as they are."""
     import subprocess
 
-    from pipeline import machine_reports
+    from pipeline.tools import machine_reports
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=lab", "-c", "user.email=lab@localhost", *args], cwd=tmp_path,
@@ -77,10 +71,9 @@ def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path, monkeypa
     git("commit", "-qm", "gpu")
     git("update-ref", "refs/exps/ab/cdef/gpu-1", "HEAD")
     git("reset", "-q", "--hard", "HEAD~1")
-    monkeypatch.setattr(machine_reports, "ROOT", tmp_path)
-    machine_reports.main("gpu-1")
+    machine_reports.keep("gpu-1", tmp_path)
     kept = reports / "machines" / "gpu0"
     assert (kept / "REPORT.md").read_text() == "gpu report\n" and (kept / "plots" / "x.png").read_bytes() == b"\x89PNG"
     assert (reports / "REPORT.md").read_text() == "cpu report\n"
     with pytest.raises(SystemExit, match="no DVC experiment named 'gpu-2'"):
-        machine_reports.main("gpu-2")
+        machine_reports.keep("gpu-2", tmp_path)

@@ -38,11 +38,11 @@ def test_sampling_follows_the_distribution():
 def test_seeded_request_is_the_same_alone_or_in_a_batch(tiny_llama):
     p = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     other = SamplingParams(max_new_tokens=20, temperature=1.3, ignore_eos=True)
-    alone = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 4}, 64).generate([[5, 6, 7]], p)[0]
-    crowd = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 4}, 64).generate(
+    alone = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 64).generate([[5, 6, 7]], p)[0]
+    crowd = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 64).generate(
         [[9, 9], [5, 6, 7], [4] * 8], [other, p, other])
     assert crowd[1] == alone
-    greedy = LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 4}, 64).generate(
+    greedy = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 64).generate(
         [[5, 6, 7]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     assert alone != greedy  # sampling really sampled
 

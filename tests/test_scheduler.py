@@ -1,23 +1,25 @@
 """Model-free scheduler tests: hand-made runner outputs, one SchedulerOutput per step."""
 import pytest
 
+from engine.outputs import RunnerOutput
 from engine.policies import make_scheduler
 from engine.request import Request, SamplingParams, Status
 
 
 def req(rid, prompt_len, max_new=4, arrival=0.0):
-    return Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=max_new, ignore_eos=True), arrival)
+    return Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=max_new, ignore_eos=True),
+                   arrival)
 
 
 def step(s, now, token=7):
     """Schedule, pretend the runner sampled `token` for every sampling chunk, update; return the plan."""
     plan = s.schedule(now)
-    s.update(plan, {c.rid: token for c in plan.chunks if c.sample}, now)
+    s.update(plan, RunnerOutput({c.rid: token for c in plan.chunks if c.sample}), now)
     return plan
 
 
 def test_chunked_budget_splits_prompts_like_vllm():
-    s = make_scheduler({"name": "chunked", "max_seats": 8, "token_budget": 1024}, seat_tokens=2048)
+    s = make_scheduler({"name": "chunked", "max_running": 8, "token_budget": 1024}, max_request_tokens=2048)
     for i in range(3):
         s.add(req(str(i), 800))
     first = step(s, 0.0)
@@ -30,14 +32,14 @@ def test_chunked_budget_splits_prompts_like_vllm():
 
 
 def test_chunk_positions_continue_from_kv_so_far():
-    s = make_scheduler({"name": "chunked", "max_seats": 2, "token_budget": 5}, seat_tokens=64)
+    s = make_scheduler({"name": "chunked", "max_running": 2, "token_budget": 5}, max_request_tokens=64)
     s.add(req("a", 12))
     starts = [step(s, t).chunks[0].start for t in range(3)]
     assert starts == [0, 5, 10]
 
 
 def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
-    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2}, seat_tokens=64)
+    s = make_scheduler({"name": "static", "max_running": 8, "max_batch": 2}, max_request_tokens=64)
     s.add(req("short", 3, max_new=1))
     assert step(s, 0.0).chunks == ()          # no deadline: a lone request waits
     s.add(req("long", 3, max_new=3))
@@ -55,7 +57,7 @@ def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
 
 
 def test_dynamic_launches_at_the_deadline_with_what_is_there():
-    s = make_scheduler({"name": "dynamic", "max_seats": 8, "max_batch": 4, "max_wait_ms": 50}, seat_tokens=64)
+    s = make_scheduler({"name": "dynamic", "max_running": 8, "max_batch": 4, "max_wait_ms": 50}, max_request_tokens=64)
     s.add(req("a", 3, arrival=0.0))
     assert s.schedule(0.049).chunks == ()
     assert s.wake_time(0.049) == pytest.approx(0.05)
@@ -65,7 +67,7 @@ def test_dynamic_launches_at_the_deadline_with_what_is_there():
 
 
 def test_continuous_refills_a_freed_seat_on_the_next_step():
-    s = make_scheduler({"name": "continuous", "max_seats": 2}, seat_tokens=64)
+    s = make_scheduler({"name": "continuous", "max_running": 2}, max_request_tokens=64)
     s.add(req("a", 3, max_new=1))
     s.add(req("b", 3, max_new=5))
     s.add(req("c", 3))
@@ -77,7 +79,7 @@ def test_continuous_refills_a_freed_seat_on_the_next_step():
 
 
 def test_mixed_puts_prompts_and_decodes_in_one_step():
-    s = make_scheduler({"name": "mixed", "max_seats": 4}, seat_tokens=64)
+    s = make_scheduler({"name": "mixed", "max_running": 4}, max_request_tokens=64)
     s.add(req("a", 3))
     step(s, 0.0)
     s.add(req("b", 6))
@@ -86,14 +88,14 @@ def test_mixed_puts_prompts_and_decodes_in_one_step():
 
 
 def test_bucketed_oracle_groups_by_true_length():
-    s = make_scheduler({"name": "bucketed", "max_seats": 8, "max_batch": 2, "max_wait_ms": 0}, seat_tokens=256)
+    s = make_scheduler({"name": "bucketed", "max_running": 8, "max_batch": 2, "max_wait_ms": 0}, max_request_tokens=256)
     for rid, n in [("a", 10), ("b", 200), ("c", 12), ("d", 190)]:
         s.add(req(rid, 3, max_new=n))
     assert set(step(s, 0.0).new_ids) == {"a", "c"}
 
 
 def test_naive_runs_one_at_a_time():
-    s = make_scheduler({"name": "naive", "max_seats": 64}, seat_tokens=64)
+    s = make_scheduler({"name": "naive", "max_running": 64}, max_request_tokens=64)
     s.add(req("a", 3, max_new=2))
     s.add(req("b", 3))
     assert step(s, 0.0).new_ids == ("a",)
@@ -102,7 +104,7 @@ def test_naive_runs_one_at_a_time():
 
 
 def test_abort_frees_the_seat_for_the_next_step():
-    s = make_scheduler({"name": "continuous", "max_seats": 1}, seat_tokens=64)
+    s = make_scheduler({"name": "continuous", "max_running": 1}, max_request_tokens=64)
     s.add(req("a", 3, max_new=50))
     s.add(req("b", 3))
     step(s, 0.0)
@@ -112,11 +114,11 @@ def test_abort_frees_the_seat_for_the_next_step():
 
 def test_unknown_policy_lists_the_choices():
     with pytest.raises(ValueError, match="chunked"):
-        make_scheduler({"name": "fastest", "max_seats": 1}, seat_tokens=8)
+        make_scheduler({"name": "fastest", "max_running": 1}, max_request_tokens=8)
 
 
 def test_padded_static_batch_schedules_the_padding():
-    s = make_scheduler({"name": "static", "max_seats": 8, "max_batch": 2, "pad_prompts": True}, seat_tokens=64)
+    s = make_scheduler({"name": "static", "max_running": 8, "max_batch": 2, "pad_prompts": True}, max_request_tokens=64)
     s.add(req("a", 3))
     s.add(req("b", 10))
     plan = step(s, 0.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.hf import generate_alone
-from tests.serving import BACKENDS, Server, client, metric, wait_for
+from tests.serving import BACKENDS, Server, client
 
 
 def test_chat_and_completions_stream_and_not(any_server):
@@ -143,7 +143,7 @@ BAD = [
     ({"messages": HI, "n": 2}, None, 400, "only n=1"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, None, 400, "role"),
     ({"messages": HI, "model": "gpt-9"}, None, 404, "gpt-9"),
-    ({"messages": [{"role": "user", "content": "x " * 600}]}, None, 400, "seat_tokens = 512"),
+    ({"messages": [{"role": "user", "content": "x " * 600}]}, None, 400, "max_request_tokens = 512"),
     ({"messages": HI, "stream": "true"}, None, 400, "stream"),
     ({"messages": HI, "temperature": "0.5"}, None, 400, "temperature"),
     ({"messages": HI, "max_tokens": "5"}, None, 400, "max_tokens"),
@@ -222,7 +222,7 @@ def test_generate_backends_take_the_same_format_and_refuse_per_row_extras(chat_m
 
 
 def test_api_key(chat_model):
-    with Server(*chat_model, {"name": "continuous", "max_seats": 2}, api_key="sekret") as s:
+    with Server(*chat_model, {"name": "continuous", "max_running": 2}, api_key="sekret") as s:
         with pytest.raises(openai.AuthenticationError):
             client(s, "wrong").models.list()
         assert client(s, "sekret").models.list().data[0].id == "tiny-chat"

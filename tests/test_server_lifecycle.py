@@ -22,7 +22,7 @@ def test_drain_finishes_what_it_can_and_fails_the_rest(chat_model, backend):
     """Steps slowed by 20 ms. A 4-token request finishes inside a 1 s grace; a 300-token one (6 s) is failed
     with a shutdown event at the grace's end; meanwhile /health says draining and newcomers get 503; the
     worker's loop then ends."""
-    two = {"engine": {"name": "continuous", "max_seats": 2},
+    two = {"engine": {"name": "continuous", "max_running": 2},
            "batcher": {"name": "generate", "max_batch": 2, "max_wait_ms": 1000}}
     with Server(*chat_model, two[backend]) as s:
         undo = slow_steps(s, 0.02)
@@ -59,7 +59,7 @@ def test_requests_wait_for_the_warm_up(chat_model, monkeypatch):
     "warming up" and a request gets 503 with Retry-After; then both are served, /health giving the warm-up's
     seconds."""
     release = warming_up(monkeypatch, 2.5)
-    with Server(*chat_model, {"name": "continuous", "max_seats": 2}) as s:
+    with Server(*chat_model, {"name": "continuous", "max_running": 2}) as s:
         h = httpx.get(f"{s.url}/health")
         assert h.status_code == 503 and h.json()["status"] == "warming up"
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=5)
@@ -72,7 +72,7 @@ def test_requests_wait_for_the_warm_up(chat_model, monkeypatch):
 
 
 def test_engine_failure_fails_requests_and_shows_on_health(chat_model):
-    with Server(*chat_model, {"name": "continuous", "max_seats": 2}) as s:
+    with Server(*chat_model, {"name": "continuous", "max_running": 2}) as s:
         def boom():
             raise RuntimeError("simulated fault")
         s.engine.runner.run = lambda *a, **k: boom()
@@ -121,13 +121,14 @@ def test_generate_failure_mid_request_answers_every_client(chat_model, backend):
         assert h.status_code == 503 and "simulated generate fault" in h.json()["error"]
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
     """A real server process (static batching, batches of 2): two requests run, a third waits for a partner.
     SIGTERM: /health says draining, new requests get 503, the two running finish whole, the waiting one ends
     with an error event when the 5 s grace is over, and the process exits 0."""
     port = free_port()
     cmd = [sys.executable, "-m", "servers", "model=tiny-chat", f"model.tokenizer={smollm2_tokenizer_dir}",
-           "policy=static", "policy.max_batch=2", "policy.max_seats=4", f"port={port}", "server.shutdown_grace_s=5",
+           "policy=static", "policy.max_batch=2", "policy.max_running=4", f"port={port}", "server.shutdown_grace_s=5",
            "threads=1"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "LAB_API_KEY": ""})

@@ -17,7 +17,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def test_429_with_retry_after(chat_model):
-    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=1) as s:
+    with Server(*chat_model, {"name": "static", "max_running": 8, "max_batch": 8}, max_waiting=1) as s:
         body = {"messages": HI, "max_tokens": 4}
         outcome = []
 
@@ -39,9 +39,9 @@ def test_429_with_retry_after(chat_model):
 def test_wait_estimate_prices_one_prefill_step_per_admission():
     """Queued requests admitted at the same decode step share one prefill step; prompt tokens cost the measured
     marginal rate, net of the step's fixed cost (a decode step)."""
-    w = EngineWorker(SimpleNamespace(scheduler=SimpleNamespace(seats=SimpleNamespace(num_seats=4)), compiled=False), 16)
-    w._measure("decode", 0.1, 0)
-    w._measure("prefill", 0.6, 1000)
+    w = EngineWorker(SimpleNamespace(scheduler=SimpleNamespace(max_running=4), compiled=False), 16)
+    w.measure_step("decode", 0.1, 0)
+    w.measure_step("prefill", 0.6, 1000)
     assert w.prefill_s == pytest.approx(0.0005)  # (0.6 - 0.1) / 1000 s per prompt token
     w.ahead = ([10, 10, 20, 30], [(100, 5), (100, 5)])  # tokens left per running request; queued (prompt, max)
     # both queued take the seats freeing at step 10 (one prefill step); the new one the next seat, at step 15
@@ -114,7 +114,7 @@ def test_overload_answers_429_at_once_with_retry_after_from_the_estimate(chat_mo
 def test_deadline_passed_in_the_queue_drops_the_request(chat_model):
     """A lone request on pure static batching waits forever; with a 0.5 s deadline (the header the OpenAI SDKs
     send) it is dropped from the queue and answered 408, streaming or not."""
-    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}) as s:
+    with Server(*chat_model, {"name": "static", "max_running": 8, "max_batch": 8}) as s:
         head = {"x-stainless-read-timeout": "0.5"}
         t = time.monotonic()
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 4}, headers=head, timeout=10)
@@ -133,7 +133,7 @@ def test_paged_server_exports_blocks_and_prefix_hits(chat_model):
     the same prompt twice, in turn; the second finds every full block of the first but the one holding its last
     token, and computes only the rest."""
     kv = {"name": "paged", "block_size": 4, "num_blocks": 64}
-    with Server(*chat_model, {"name": "continuous", "max_seats": 2}, kv=kv) as s:
+    with Server(*chat_model, {"name": "continuous", "max_running": 2}, kv=kv) as s:
         msgs = [{"role": "user", "content": "tell me about the sea " * 6}]
         p = [client(s).chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=3).usage.prompt_tokens
              for _ in range(2)][0]
@@ -164,7 +164,7 @@ def test_metrics_count_what_was_served(server):
 def test_http_thread_cpu_is_the_event_loops_own(server):
     """lab:http_thread_cpu_seconds counts the HTTP thread's CPU only: it grows while tokens stream, and not while
     another thread of the process burns 0.3 s of CPU."""
-    from pipeline.bench_server import http_cpu_s
+    from pipeline.measuring.servers import http_cpu_s
     base = f"{server.url}/v1"
     before = http_cpu_s(base)
     for _ in range(3):
@@ -183,7 +183,7 @@ def test_http_thread_cpu_is_the_event_loops_own(server):
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
 def test_pure_static_never_answers_a_lone_request(chat_model, stream):
     """max_batch 8 and no deadline: a lone request waits forever (seed 000's break-it); leaving dequeues it."""
-    with Server(*chat_model, {"name": "static", "max_seats": 8, "max_batch": 8}, max_waiting=4) as s:
+    with Server(*chat_model, {"name": "static", "max_running": 8, "max_batch": 8}, max_waiting=4) as s:
         body = {"messages": HI, "max_tokens": 4, "stream": stream}
         with pytest.raises(httpx.ReadTimeout):
             with httpx.Client(timeout=httpx.Timeout(10, read=1.0)) as h:

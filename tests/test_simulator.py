@@ -5,13 +5,13 @@ import pandas as pd
 import pytest
 
 from engine import LLMEngine, SamplingParams
+from engine.config import compose_config
 from engine.policies import Chunked
 from engine.simulator import CostModel, SimRunner, VirtualClock
-from pipeline.config import compose_config
-from pipeline.fit_cost_model import fit
-from pipeline.metrics import summarize
-from pipeline.replay import replay
-from pipeline.workloads import build, predicted_static_efficiency
+from pipeline.measuring.metrics import summarize
+from pipeline.measuring.replay import replay
+from pipeline.modeling.cost_fit import fit
+from pipeline.workloads.generate import build, predicted_static_efficiency
 
 COST = CostModel(fixed=0.02, coef={"num_prompt_tokens": 0.001, "num_decode_rows": 0.002})
 
@@ -22,7 +22,7 @@ def sim_engine(policy):
 
 
 def test_one_request_costs_its_prefill_and_decodes():
-    eng, clock = sim_engine({"name": "continuous", "max_seats": 4})
+    eng, clock = sim_engine({"name": "continuous", "max_running": 4})
     eng.add_request("a", [1] * 100, SamplingParams(max_new_tokens=5, ignore_eos=True))
     while eng.has_work():
         eng.step()
@@ -31,20 +31,21 @@ def test_one_request_costs_its_prefill_and_decodes():
 
 
 def test_chunked_in_simulation_is_the_same_scheduler():
-    eng, clock = sim_engine({"name": "chunked", "max_seats": 4, "token_budget": 64})
+    eng, clock = sim_engine({"name": "chunked", "max_running": 4, "token_budget": 64})
     assert isinstance(eng.scheduler, Chunked)
     eng.add_request("a", [1] * 100, SamplingParams(max_new_tokens=2, ignore_eos=True))
     while eng.has_work():
         eng.step()
-    assert [s["num_prompt_tokens"] for s in eng.steps] == [64, 36, 0]
+    assert [r.num_prompt_tokens for r in eng.records] == [64, 36, 0]
 
 
 def test_static_efficiency_in_simulation_matches_prediction():
     cfg = compose_config(["model=tiny-llama", "+experiment=static_efficiency", "workload.output.sigma=1.2"])
     wl = build(cfg, None, 512)
-    eng, clock = sim_engine({"name": "static", "max_seats": 8, "max_batch": 8})
+    eng, clock = sim_engine({"name": "static", "max_running": 8, "max_batch": 8})
     req, steps, _ = replay(eng, wl, 0.02, wait_until=lambda t: clock.advance_to(eng.t0 + t))
-    assert summarize(req, steps)["slot_efficiency"] == pytest.approx(predicted_static_efficiency(wl["output_tokens"], 8))
+    assert summarize(req, steps)["slot_efficiency"] == pytest.approx(
+        predicted_static_efficiency(wl["output_tokens"], 8))
 
 
 def test_fit_recovers_known_costs_and_reports_each_kind():
@@ -83,19 +84,19 @@ def test_fit_never_goes_negative():
 
 def test_one_definition_of_step_features():
     """The engine's per-step records carry exactly the features the simulator's clock charges."""
-    eng, clock = sim_engine({"name": "chunked", "max_seats": 4, "token_budget": 8})
+    eng, clock = sim_engine({"name": "chunked", "max_running": 4, "token_budget": 8})
     for i in range(3):
         eng.add_request(str(i), [1] * (5 + 7 * i), SamplingParams(max_new_tokens=3, ignore_eos=True))
     while eng.has_work():
         eng.step()
-    assert clock() == pytest.approx(sum(COST.predict(s) for s in eng.steps))
-    assert {s["kind"] for s in eng.steps} >= {"prefill", "mixed", "decode"}
+    assert clock() == pytest.approx(sum(COST.predict(r) for r in eng.records))
+    assert {r.kind for r in eng.records} >= {"prefill", "mixed", "decode"}
 
 
 def test_dynamic_deadline_is_reached_exactly_on_a_virtual_clock():
     """A lone request under dynamic batching launches at its deadline; the simulation never spins short of it."""
     cfg = compose_config(["model=tiny-llama", "policy=dynamic", "workload.num_requests=1", "load=poisson"])
-    eng, clock = sim_engine({"name": "dynamic", "max_seats": 8, "max_batch": 8, "max_wait_ms": 300})
+    eng, clock = sim_engine({"name": "dynamic", "max_running": 8, "max_batch": 8, "max_wait_ms": 300})
     wl = build(cfg, None, 512).assign(arrival_steps=[0.1234567])
     req, _, _ = replay(eng, wl, 0.0371, wait_until=lambda t: clock.advance_to(eng.t0 + t))
     assert req["complete"].all() and req["admit"].iloc[0] == pytest.approx(0.1234567 * 0.0371 + 0.3)

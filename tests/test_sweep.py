@@ -19,12 +19,14 @@ def test_slurm_launcher_composes():
     assert cfg.hydra.launcher.timeout_min == 120 and "collect" in cfg.hydra.callbacks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
 def test_multirun_lands_in_one_table(tmp_path, launcher):
     out = subprocess.run(
-        [sys.executable, "-m", "pipeline.sweep", "-m", f"hydra/launcher={launcher}", f"hydra.sweep.dir={tmp_path}",
-         "model=tiny-llama", "workload.num_requests=6", "workload.output.mean=6", "load=closed",
-         "policy=dynamic,continuous"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "pipeline.tools.sweep", "-m", f"hydra/launcher={launcher}",
+         f"hydra.sweep.dir={tmp_path}",
+         "model=tiny-llama", "profile.requests_scale=1", "workload.num_requests=6", "workload.output.mean=6",
+         "load=closed", "policy=dynamic,continuous"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     table = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["point"] for r in table["rows"]] == ["policy=dynamic", "policy=continuous"]

@@ -5,10 +5,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
-from pipeline.config import compose_config
-from pipeline.metrics import summarize
-from pipeline.replay import replay
-from pipeline.workloads import build, predicted_static_efficiency
+from engine.config import compose_config
+from pipeline.measuring.metrics import summarize
+from pipeline.measuring.replay import replay
+from pipeline.workloads.generate import build, predicted_static_efficiency
 
 
 def cfg(*overrides):
@@ -54,7 +54,7 @@ def test_pure_static_never_fills_and_is_reported_incomplete(tiny_llama):
 
 
 def test_closed_loop_keeps_c_in_flight(tiny_llama):
-    c = cfg("load=closed", "load.concurrency=2", "workload.num_requests=6", "policy.max_seats=4")
+    c = cfg("load=closed", "load.concurrency=2", "workload.num_requests=6", "policy.max_running=4")
     eng = LLMEngine(tiny_llama, OmegaConf.to_container(c.policy), 512)
     req, steps, _ = replay(eng, build(c, None, 512), step_s=0.001, concurrency=int(c.load.concurrency))
     assert req["complete"].all()
@@ -63,6 +63,6 @@ def test_closed_loop_keeps_c_in_flight(tiny_llama):
 
 def test_same_seed_same_sampled_tokens(tiny_llama):
     p = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
-    runs = [LLMEngine(tiny_llama, {"name": "continuous", "max_seats": 2}, 64, seed=3).generate([[5, 6], [7]], p)
+    runs = [LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, 64, seed=3).generate([[5, 6], [7]], p)
             for _ in range(2)]
     assert runs[0] == runs[1]

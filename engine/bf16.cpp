@@ -1,0 +1,136 @@
+// Products with bf16 weights for the fused kernels (torch.ops.lab.bf16_*; schemas in engine/native.cpp): x rounded to
+// bf16 (nearest even), bf16 x bf16 products summed in fp32 (AVX512-BF16's dot products of pairs), fp32 out. The
+// weight is packed once in tiles of 16 output rows, each pair of a row's inputs side by side (a vector holds one pair
+// of 16 rows), so that a lane is an output and no sum crosses lanes. Where the CPU has no AVX512-BF16 (bf16_native()
+// false) the engine runs torch's bf16 product instead (engine/quantized.py).
+#include "native.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LAB_BF16 1  // the kernel is compiled for AVX512-BF16 (target attribute) and run where the CPU has it
+#endif
+
+constexpr int64_t ROWS = 16;  // output rows per tile
+constexpr int64_t TILES = 4;  // tiles per kernel call
+constexpr int64_t RB = 6;     // rows of x per kernel call
+
+// Whether this CPU multiplies bf16 pairs in hardware (AVX512-BF16).
+bool bf16_native() {
+#if defined(LAB_BF16)
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+// w [N, K] float -> bf16 [ceil(N/16) * K * 16]: tile i, pair j holds rows 16i..16i+15's inputs 2j, 2j+1 interleaved.
+at::Tensor bf16_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0, "bf16_pack: w [N, K] with K even is needed");
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + ROWS - 1) / ROWS;
+  const at::Tensor src = w.to(at::kFloat).contiguous();
+  at::Tensor out = at::zeros({tiles * ROWS * K}, src.options().dtype(at::kBFloat16));
+  const float* s = src.data_ptr<float>();
+  auto* o = out.data_ptr<at::BFloat16>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      o[(n / ROWS) * ROWS * K + (k / 2) * ROWS * 2 + (n % ROWS) * 2 + k % 2] = at::BFloat16(s[n * K + k]);
+  return out;
+}
+
+#if defined(LAB_BF16)
+// R rows of xb (bf16, K each, `xs` apart) against `nt` tiles starting at w: out rows (`os` apart) at column c0.
+template <int R, int NT>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void tile_kernel(
+    const uint16_t* xb, int64_t xs, const uint16_t* w, int64_t K, float* out, int64_t os, int64_t c0, int64_t N,
+    const float* bias, const float* res, int64_t rs) {
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const int64_t ts = ROWS * K;  // elements per tile
+  for (int64_t j = 0; j < K / 2; ++j) {
+    __m512bh wv[NT];
+    for (int t = 0; t < NT; ++t)
+      wv[t] = (__m512bh)_mm512_loadu_si512(w + t * ts + j * ROWS * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * xs + 2 * j));
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const int64_t c = c0 + t * ROWS, n = std::min<int64_t>(ROWS, N - c);
+    if (n <= 0) break;
+    const __mmask16 m = n == ROWS ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + c) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      __m512 y = _mm512_add_ps(acc[r][t], b);
+      if (res) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + r * rs + c));
+      _mm512_mask_storeu_ps(out + r * os + c, m, y);
+    }
+  }
+}
+
+using Kernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t,
+                        const float*, const float*, int64_t);
+
+template <int NT>
+static Kernel kernel_for(int64_t rows) {
+  switch (rows) {
+    case 1: return tile_kernel<1, NT>;
+    case 2: return tile_kernel<2, NT>;
+    case 3: return tile_kernel<3, NT>;
+    case 4: return tile_kernel<4, NT>;
+    case 5: return tile_kernel<5, NT>;
+    default: return tile_kernel<6, NT>;
+  }
+}
+
+#endif
+
+// x [T, K] float32 (rows may be strided) times w (bf16_pack's, n outputs) -> [T, n] float32 (+ bias [n])
+// (+ residual [T, n]).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  check(x, "x");
+  TORCH_CHECK(bf16_native(), "bf16_linear: this CPU has no AVX512-BF16");
+#if defined(LAB_BF16)
+  const int64_t T = x.size(0), K = x.size(1), tiles = (n + ROWS - 1) / ROWS;
+  TORCH_CHECK(x.dim() == 2 && K % 2 == 0 && w.scalar_type() == at::kBFloat16 && w.numel() == tiles * ROWS * K,
+              "bf16_linear: x [T, K] and w packed by bf16_pack for [n, K] are needed");
+  if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat, "bias [n]");
+  if (residual) check(*residual, "residual");
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // nearest even
+  at::Tensor out = at::empty({T, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const float* rp = residual ? residual->data_ptr<float>() : nullptr;
+  const int64_t rs = residual ? residual->stride(0) : 0, groups = (tiles + TILES - 1) / TILES;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t t0 = g * TILES, nt = std::min(TILES, tiles - t0);
+      for (int64_t r = 0; r < T; r += RB) {
+        const int64_t rows = std::min(RB, T - r);
+        const Kernel f = nt == TILES ? kernel_for<TILES>(rows) : nt == 3 ? kernel_for<3>(rows)
+                                                                : nt == 2 ? kernel_for<2>(rows) : kernel_for<1>(rows);
+        f(xp + r * K, K, wp + t0 * ROWS * K, K, op + r * n, n, t0 * ROWS, n, bp, rp ? rp + r * rs : nullptr, rs);
+      }
+    }
+  });
+  return out;
+#else
+  return at::Tensor();
+#endif
+}
+
+TORCH_LIBRARY_IMPL(lab, CPU, m) {
+  m.impl("bf16_pack", bf16_pack);
+  m.impl("bf16_linear", bf16_linear);
+}
+
+TORCH_LIBRARY_FRAGMENT(lab, m) {
+  m.def("bf16_native() -> bool", []() { return bf16_native(); });
+}

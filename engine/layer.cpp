@@ -1,0 +1,113 @@
+// One decoder layer in one call (torch.ops.lab.layer; schema in engine/native.cpp): norm, qkv product, rotary, KV
+// writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product (+ residual), each step
+// the same operator the Python layer loop calls, so the results are the same bits; only the per-operator Python
+// dispatch is gone. Each product is named by its kind (PRODUCTS, in the order of engine/model.py's NATIVE_PRODUCTS).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
+
+#include "native.h"
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin);
+void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& bias, double scale);
+at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
+                           const std::optional<at::Tensor>& rows, double scale);
+
+enum Product : int64_t { IN_OUT, LINEAR, PACKED, ONEDNN, Q4_1, Q8_0, BF16 };
+
+// An operator registered elsewhere (MKL's, oneDNN's, the GGUF products), called with its arguments boxed.
+static at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
+  op.callBoxed(&args);
+  return args[0].toTensor();
+}
+
+static c10::OperatorHandle find(const char* name, const char* overload = "") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+}
+
+// y = x W^T (+ bias) (+ residual) as kernels.Dense.product (or the GGUF products) computes it: w and aux are the
+// layouts that product reads (aux: the [out, in] weight MKL's packed product takes its sizes from; for bf16 the
+// number of outputs).
+static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& aux,
+                          const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  switch (kind) {
+    case IN_OUT:
+    case LINEAR: {
+      const at::Tensor W = kind == IN_OUT ? w : w.t();
+      if (!bias) return residual ? at::addmm(*residual, x, W) : at::mm(x, W);
+      at::Tensor y = at::addmm(*bias, x, W);
+      return residual ? y.add_(*residual) : y;
+    }
+    case PACKED: {
+      static const c10::OperatorHandle op = find("mkl::_mkl_linear");
+      at::Tensor y = call(op, {x, w, *aux, bias, x.size(0)});
+      return residual ? y.add_(*residual) : y;
+    }
+    case ONEDNN: {
+      if (residual) {
+        static const c10::OperatorHandle op = find("mkldnn::_linear_pointwise", "binary");
+        return call(op, {x, *residual, w, bias, "add"});
+      }
+      static const c10::OperatorHandle op = find("mkldnn::_linear_pointwise");
+      return call(op, {x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), ""});
+    }
+    case Q4_1: {
+      static const c10::OperatorHandle op = find("lab::q4_1_linear");
+      return call(op, {x, w, bias, residual});
+    }
+    case Q8_0: {
+      static const c10::OperatorHandle op = find("lab::q8_0_linear");
+      return call(op, {x, w, bias, residual});
+    }
+    case BF16: {  // aux: the number of outputs, a 0-dim int64 tensor
+      static const c10::OperatorHandle op = find("lab::bf16_linear");
+      return call(op, {x, w, aux->item<int64_t>(), bias, residual});
+    }
+  }
+  TORCH_CHECK(false, "layer: unknown product kind ", kind);
+}
+
+// x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down
+// products; kinds: their 4 product kinds. cos, sin [T, D] (sin's first half negated); k_cache, v_cache this layer's
+// cache, rows [T * kv heads] the flat cache rows the step's K/V go to. Attention: `spans` given, each token against
+// its own keys (token_attention, `key_rows` on a paged cache); else decodes in seats [0, seats) against their first
+// `length` keys (decode_attention, `bias` [seats, length] additive or none).
+at::Tensor layer(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& weights, at::IntArrayRef kinds,
+                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& rows, const std::optional<at::Tensor>& spans, const std::optional<at::Tensor>& key_rows,
+                 const std::optional<at::Tensor>& bias, int64_t seats, int64_t length, int64_t heads, double eps,
+                 double scale) {
+  TORCH_CHECK(weights.size() == 14 && kinds.size() == 4, "layer: 14 weights (ln1, ln2, 4 x (w, aux, bias)) and 4 "
+              "product kinds are needed");
+  const int64_t T = x.size(0), KV = k_cache.size(1), D = k_cache.size(3);
+  const auto w = [&](int i) -> const at::Tensor& { return *weights[i]; };
+  const auto p = [&](int j, const at::Tensor& in, const std::optional<at::Tensor>& residual) {
+    return product(kinds[j], in, *weights[2 + 3 * j], weights[3 + 3 * j], weights[4 + 3 * j], residual);
+  };
+  const at::Tensor qkv = p(0, rms_norm(x, w(0), eps), std::nullopt);
+  at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
+  rotary_(qk, cos, sin);
+  const at::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, KV);
+  const at::Tensor v = qkv.narrow(1, (heads + KV) * D, KV * D).view({T, KV, D});
+  write_rows_(k_cache.view({-1, D}), rows, k);
+  write_rows_(v_cache.view({-1, D}), rows, v);
+  at::Tensor attn;
+  if (spans) {
+    attn = token_attention(q, k_cache, v_cache, *spans, key_rows, scale);
+  } else {
+    const at::Tensor kv = k_cache.narrow(0, 0, seats).narrow(2, 0, length);
+    const at::Tensor vv = v_cache.narrow(0, 0, seats).narrow(2, 0, length);
+    std::optional<at::Tensor> b;
+    if (bias) b = bias->view({seats, length});
+    attn = decode_attention(q, kv, vv, b, scale);
+  }
+  const at::Tensor h = p(1, attn.reshape({T, heads * D}), x);
+  return p(3, silu_mul(p(2, rms_norm(h, w(1), eps), std::nullopt)), h);
+}
+
+TORCH_LIBRARY_IMPL(lab, CPU, m) { m.impl("layer", layer); }
+TORCH_LIBRARY_IMPL(lab, MkldnnCPU, m) { m.impl("layer", layer); }  // weights in oneDNN's layout select this key

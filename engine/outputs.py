@@ -1,0 +1,160 @@
+"""What crosses the engine's boundaries each step, as plain values: the scheduler's plan (SchedulerOutput), the
+runner's sampled tokens (RunnerOutput), the events streamed to clients (StepEvent) and the step's record
+(StepRecord), which the replays, the servers' metrics and the simulator's cost model read."""
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    rid: str
+    start: int                         # position of the first token in the sequence
+    tokens: tuple[int, ...]            # a whole prompt, a prompt chunk or one decode token
+    sample: bool                       # take a token from the chunk's last position
+    prompt: bool = False               # the tokens are (part of) the prompt
+    zombie: bool = False               # a finished row kept in a static batch: computed, then discarded
+    seat: int | None = None            # slot cache: the row holding the request's K/V
+    blocks: tuple[int, ...] = ()       # paged KV: the request's block table (its positions in order)
+    params: SamplingParams | None = None  # the request's sampling, on chunks that sample
+    history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, for penalized sampling
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The KV cache after a step's plan: what its requests hold and what is reserved for them."""
+    num_running: int = 0
+    kv_tokens: int = 0                 # tokens whose K/V the running requests hold once the step has run
+    kv_reserved_tokens: int = 0        # held or reserved: whole seats (slot cache), whole blocks (paged)
+    blocks_used: int | None = None     # paged KV only
+    blocks_free: int | None = None
+    queried_tokens: int = 0            # paged: tokens of sequences admitted this step, looked up in the prefix cache
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...] = ()
+    new_ids: tuple[str, ...] = ()        # admitted this step
+    finished_ids: tuple[str, ...] = ()   # finished since the last step (aborts included): free their state
+    preempted_ids: tuple[str, ...] = ()  # preempted since the last step (paged KV out of blocks)
+    num_pad_tokens: int = 0              # of which left-padding, computed and discarded (padded batch policies)
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)  # rid in new_ids -> prefix-cache hit tokens
+    kv: KVUsage = KVUsage()
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {c.rid: len(c.tokens) for c in self.chunks}
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)  # padding chunks included
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens fed this step (whole prompts, chunks and padding)."""
+        return sum(len(c.tokens) for c in self.chunks if c.prompt)
+
+    @property
+    def num_decode_rows(self) -> int:
+        """One-token decode rows (zombie rows included: they are computed)."""
+        return sum(1 for c in self.chunks if not c.prompt)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows that produce a token (zombies included): the rows the LM head and the sampler see."""
+        return sum(1 for c in self.chunks if c.sample)
+
+    @property
+    def num_useful_rows(self) -> int:
+        """Rows whose token is kept."""
+        return sum(1 for c in self.chunks if c.sample and not c.zombie)
+
+    @property
+    def decode_attention(self) -> int:
+        """Query-key pairs per head of the decode attention as the padded path computes it: on seats one query per
+        seat up to the highest decoding one, on blocks one per decode; each against the longest decoding context."""
+        dec = [c for c in self.chunks if len(c.tokens) == 1]
+        if not dec:
+            return 0
+        rows = len(dec) if dec[0].seat is None else max(c.seat for c in dec) + 1
+        return rows * max(c.start + 1 for c in dec)
+
+    @property
+    def prompt_attention(self) -> int:
+        """Query-key pairs per head of the prompt attention: every multi-token chunk padded to the longest chunk,
+        against keys up to the furthest chunk end."""
+        pre = [c for c in self.chunks if len(c.tokens) > 1]
+        if not pre:
+            return 0
+        return len(pre) * max(len(c.tokens) for c in pre) * max(c.start + len(c.tokens) for c in pre)
+
+    @property
+    def kind(self) -> str:
+        """"idle", "prefill", "decode" or "mixed" (prompt tokens and decodes in one pass)."""
+        if not self.chunks:
+            return "idle"
+        prompt = any(c.prompt for c in self.chunks)
+        decode = any(not c.prompt for c in self.chunks)
+        return "mixed" if prompt and decode else ("prefill" if prompt else "decode")
+
+    def features(self) -> dict[str, int]:
+        """The step's cost features (engine.simulator.FEATURES): what the step computes. multi_row: more than one
+        row through the layers (matrix-matrix products, a different kernel from one row's)."""
+        return {"num_prompt_tokens": self.num_prompt_tokens, "num_decode_rows": self.num_decode_rows,
+                "num_sampled_rows": self.num_sampled_rows, "decode_attention": self.decode_attention,
+                "prompt_attention": self.prompt_attention, "is_mixed": int(self.kind == "mixed"),
+                "multi_row": int(self.total_tokens > 1)}
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    tokens: dict[str, int]             # rid -> the token sampled for each chunk that samples
+    logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
+    # rid -> (the token's logprob, its top alternatives (id, logprob)), for the rows that asked
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    rid: str
+    token: int | None                  # None for an abort or a failure
+    finish_reason: str | None          # on the request's last event: "stop", "length", "abort", "error", "shutdown"
+    logprob: float | None = None       # the token's log-probability, if asked
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, log-probability), most likely first
+    error: str | None = None           # why the request failed ("error" or "shutdown")
+    cached_tokens: int = 0             # its prompt tokens found in the prefix cache (at its latest admission)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward pass: its timing (s, on the engine's clock), what it computed and the KV cache around it."""
+    start: float
+    duration: float
+    kind: str
+    num_tokens: int
+    num_pad_tokens: int
+    useful_rows: int
+    computed_rows: int
+    num_new: int
+    cached_tokens: int                 # prefix-cache hits of the requests admitted
+    preempted: int
+    num_running: int
+    kv_tokens: int
+    kv_reserved_tokens: int
+    blocks_used: int | None
+    blocks_free: int | None
+    queried_tokens: int
+    num_prompt_tokens: int
+    num_decode_rows: int
+    num_sampled_rows: int
+    decode_attention: int
+    prompt_attention: int
+    is_mixed: int
+    multi_row: int
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput, start: float, end: float) -> "StepRecord":
+        kv = plan.kv
+        return cls(start, end - start, plan.kind, plan.total_tokens, plan.num_pad_tokens, plan.num_useful_rows,
+                   plan.num_sampled_rows, len(plan.new_ids), sum(plan.num_cached_tokens.values()),
+                   len(plan.preempted_ids), kv.num_running, kv.kv_tokens, kv.kv_reserved_tokens, kv.blocks_used,
+                   kv.blocks_free, kv.queried_tokens, **plan.features())

@@ -1,0 +1,254 @@
+// Products with 4- and 8-bit GGUF weights (Q4_1, Q8_0) for the fused kernels (torch.ops.lab.*; schemas in
+// engine/native.cpp): the weights repacked once in tiles of 16 rows, each block's rows side by side, so that a vector
+// holds one weight of 16 output rows and no sum ever crosses lanes. fp32 throughout: each block adds
+// d * sum(x * q) (+ m * sum(x)) to a row's sum, its codes' sum taken in one fixed order, so that a result row is the
+// same bits whatever the number of rows T beside it. Each thread reads its tiles once for all T rows of x.
+#include <cstring>
+
+#include "quant.h"
+
+constexpr int64_t QK = 32;    // weights per block
+
+// A tile's block, `rows` rows: field after field (d, m, codes...), each field's rows side by side. A row's field j
+// (width bytes, at offset `off` of the row's block as GGUF stores it) lies at `rows * off + r * width`.
+static inline int64_t in_tile(int64_t rows, int64_t off, int64_t width, int64_t r) { return rows * off + r * width; }
+
+#define UNROLL _Pragma("GCC unroll 16")  // loops over a kernel's tiles and rows: its sums stay in registers
+
+
+// Q4_1: a row's block is d (fp16), m (fp16), 16 bytes of codes (byte i: weight i in its low nibble, i + 16 in its
+// high); a weight is d * q + m. In a tile: d, m, then the codes 4 bytes (a field) at a time. A code comes out of
+// its 4 bytes as q * 2^(4j) (j = 0 to 3, its place in a 16-bit half), so x comes scaled by 2^(12 - 4j) and d by
+// 2^-12 (both exact, for |x| < 2^116): the sum of a block is 2^12 times the plain one, bit for bit, and d * sum the
+// same product.
+struct Q4_1 {
+  static constexpr int64_t B = 20;  // bytes of a row's block
+  static constexpr int FIELDS = 6;
+  static constexpr int64_t width(int j) { return j < 2 ? 2 : 4; }
+  static constexpr float scale(int64_t k) {  // of weight k of a block: 2^(12 - 4j)
+    return k < 16 ? (k % 2 ? 16.f : 4096.f) : (k % 2 ? 1.f : 256.f);
+  }
+  // acc[t][r] += the block's products of tile t (its block at p[t]) with row r of x (x [32, R]: the block's weights
+  // of the R rows, scaled; xsum[r]: their sum in row r).
+  template <int NT, int R>
+  static inline void block(const uint8_t* const* p, const float* x, const float* xsum, F (&acc)[NT][R]) {
+    F s[NT][R];
+    UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) s[t][r] = zero();
+    UNROLL for (int w = 0; w < 4; ++w) {
+      Nibbles c[NT];
+      UNROLL for (int t = 0; t < NT; ++t) c[t] = nibbles(p[t] + in_tile(TILE, 4 + 4 * w, 4, 0));
+      UNROLL for (int i = 0; i < 8; ++i) {  // code i of each row's 4 bytes: weight 4w + i/2 (+ 16 for a high nibble)
+        const float* xk = x + (4 * w + i / 2 + 16 * (i % 2)) * R;
+        UNROLL for (int t = 0; t < NT; ++t) {
+          const F q = nibble(c[t], i);
+          UNROLL for (int r = 0; r < R; ++r) s[t][r] = fma(xk[r], q, s[t][r]);
+        }
+      }
+    }
+    UNROLL for (int t = 0; t < NT; ++t) {
+      const F d = mul(halves(p[t]), 0x1p-12f), m = halves(p[t] + in_tile(TILE, 2, 2, 0));
+      UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(xsum[r], m, fma(d, s[t][r], acc[t][r]));
+    }
+  }
+};
+
+// Q8_0: a row's block is d (fp16) and 32 int8 codes; a weight is d * q. In a tile: d, then the codes a byte at a time.
+struct Q8_0 {
+  static constexpr int64_t B = 34;
+  static constexpr int FIELDS = 33;
+  static constexpr int64_t width(int j) { return j ? 1 : 2; }
+  static constexpr float scale(int64_t) { return 1.f; }
+  template <int NT, int R>
+  static inline void block(const uint8_t* const* p, const float* x, const float*, F (&acc)[NT][R]) {
+    F s[NT][R];
+    UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) s[t][r] = zero();
+    for (int64_t k = 0; k < QK; ++k) UNROLL for (int t = 0; t < NT; ++t) {
+      const F q = bytes(p[t] + in_tile(TILE, 2 + k, 1, 0));
+      UNROLL for (int r = 0; r < R; ++r) s[t][r] = fma(x[k * R + r], q, s[t][r]);
+    }
+    UNROLL for (int t = 0; t < NT; ++t) {
+      const F d = halves(p[t]);
+      UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(d, s[t][r], acc[t][r]);
+    }
+  }
+};
+
+// Copies each row's fields of every block from `src` to `dst`: from(block, offset, width, row) and to(...) give a
+// field's place in each.
+template <class Q, class Src, class Dst>
+static void relayout(int64_t rows, int64_t Kb, const uint8_t* src, uint8_t* dst, const Src& from, const Dst& to) {
+  for (int64_t b = 0; b < Kb; ++b)
+    for (int j = 0, off = 0; j < Q::FIELDS; off += Q::width(j++))
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(dst + to(b, off, Q::width(j), r), src + from(b, off, Q::width(j), r), Q::width(j));
+}
+
+// blocks uint8 [N, K/32 * B] as GGUF stores them -> the same bytes in tiles: tile i (rows 16i to 16i + 15, the last
+// tile maybe fewer) from byte 16i * K/32 * B on, block after block.
+template <class Q>
+static at::Tensor pack(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous() && blocks.size(1) % Q::B == 0,
+              "pack: contiguous uint8 blocks [N, K/32 * ", Q::B, "] are needed");
+  const int64_t N = blocks.size(0), Kb = blocks.size(1) / Q::B;
+  at::Tensor out = at::empty(blocks.sizes(), blocks.options());
+  const uint8_t* sp = blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t rows = std::min(TILE, N - i * TILE);
+      const auto gguf = [&](int64_t b, int64_t off, int64_t, int64_t r) { return r * Kb * Q::B + b * Q::B + off; };
+      const auto tile = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
+        return b * rows * Q::B + in_tile(rows, off, w, r);
+      };
+      relayout<Q>(rows, Kb, sp + i * TILE * Kb * Q::B, op + i * TILE * Kb * Q::B, gguf, tile);
+    }
+  });
+  return out;
+}
+
+struct Operands {  // one product's: out [T, N] = x [T, K] W^T + bias + residual
+  const float* x;     // [T, K] as the kernels read it, scaled for the format: rows t0 to t0 + R - 1 (t0 a multiple
+                      // of RMAX, R = RMAX but for the last rows) from t0 * K on, weight k of row t0 + r at k * R + r
+  const float* xsum;  // [T, K/32] each block's sum of x
+  const float* bias;  // [N] or null
+  const float* res;   // [T, N] rows rs floats apart, or null
+  int64_t rs;
+  float* out;  // [T, N] contiguous
+  int64_t T, N, Kb;
+};
+
+// NT tiles (the first at w, its columns from 16 i on, the next `ts` bytes on) times rows t0 to t0 + R - 1 of x.
+template <class Q, int NT, int R>
+static void tiles(const Operands& a, const uint8_t* w, int64_t ts, int64_t i, int64_t t0) {
+  F acc[NT][R];
+  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) acc[t][r] = zero();
+  const uint8_t* p[NT];
+  for (int64_t b = 0; b < a.Kb; ++b) {
+    UNROLL for (int t = 0; t < NT; ++t) {  // and the same block of the next NT tiles fetched into L2 meanwhile
+      p[t] = w + t * ts + b * TILE * Q::B;
+      for (int64_t l = 0; l < TILE * Q::B; l += 64) __builtin_prefetch(p[t] + NT * ts + l, 0, 2);
+    }
+    float xsum[R];
+    UNROLL for (int r = 0; r < R; ++r) xsum[r] = a.xsum[(t0 + r) * a.Kb + b];
+    Q::template block<NT, R>(p, a.x + (t0 * a.Kb + b * R) * QK, xsum, acc);
+  }
+  float o[NT][R][TILE];
+  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) store(acc[t][r], o[t][r]);
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r) {
+      const int64_t n0 = (i + t) * TILE, row = t0 + r;
+      for (int64_t l = 0; l < std::min(TILE, a.N - n0); ++l) {
+        float v = o[t][r][l];
+        if (a.bias) v += a.bias[n0 + l];
+        if (a.res) v += a.res[row * a.rs + n0 + l];
+        a.out[row * a.N + n0 + l] = v;
+      }
+    }
+}
+
+using Kernel = void (*)(const Operands&, const uint8_t*, int64_t, int64_t, int64_t);
+
+// The kernel for r rows of x: as many tiles as ACC allows (wide) or one.
+template <class Q, int R = RMAX>
+static Kernel kernel_for(int r, bool wide) {
+  if constexpr (R > 1)
+    if (r < R) return kernel_for<Q, R - 1>(r, wide);
+  return wide ? tiles<Q, std::max(1, ACC / R), R> : tiles<Q, 1, R>;
+}
+
+// x [T, K] float32 (rows may be strided), w packed [N, K/32 * B], bias [N], residual [T, N] -> [T, N] float32
+template <class Q>
+static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& residual) {
+  check(x, "x");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                  x.dim() == 2 && w.size(1) == x.size(1) / QK * Q::B && x.size(1) % QK == 0 && x.size(1) > 0,
+              "linear: x [T, K] (K a positive multiple of 32) and packed w uint8 [N, K/32 * ", Q::B, "] are needed");
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B;
+  if (bias) {
+    check(*bias, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [N] is needed");
+  }
+  if (residual) {
+    check(*residual, "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == N,
+                "linear: residual [T, N] is needed");
+  }
+  at::Tensor out = at::empty({T, N}, x.options()), xsum = at::empty({T, Kb}, x.options()),
+             xk = at::empty({T, K}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *sp = xsum.data_ptr<float>(), *kp = xk.data_ptr<float>();
+  at::parallel_for(0, T * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // block b of row t
+      const int64_t t = i / Kb, b = i % Kb, t0 = t / RMAX * RMAX, rows = std::min<int64_t>(RMAX, T - t0);
+      const float* xb = xp + t * x.stride(0) + b * QK;
+      sp[i] = at::vec::reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, xb, QK);
+      for (int64_t k = 0; k < QK; ++k) kp[t0 * K + (b * QK + k) * rows + t - t0] = xb[k] * Q::scale(k);
+    }
+  });
+  const Operands a{kp, sp, bias ? bias->data_ptr<float>() : nullptr,
+                   residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0,
+                   out.data_ptr<float>(), T, N, Kb};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t full = N / TILE, rest = N % TILE;  // whole tiles; rows of the last one, if partial
+  at::parallel_for(0, (N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / (TILE * K * std::max<int64_t>(1, T))),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> last;  // the partial tile widened to 16 rows (zeros)
+    if (end > full) {
+      last.assign(ts, 0);
+      const auto packed = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
+        return b * rest * Q::B + in_tile(rest, off, w, r);
+      };
+      const auto wide = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
+        return b * TILE * Q::B + in_tile(TILE, off, w, r);
+      };
+      relayout<Q>(rest, Kb, wp + full * ts, last.data(), packed, wide);
+    }
+    for (int64_t g = begin; g < end; g += ACC)  // ACC tiles at a time, kept in cache over all rows of x
+      for (int64_t t = 0; t < T; t += RMAX) {
+        const int r = std::min<int64_t>(RMAX, T - t), nt = std::max(1, ACC / r);
+        for (int64_t i = g; i < std::min(end, g + ACC);) {
+          if (i + nt <= std::min({end, g + ACC, full})) {
+            kernel_for<Q>(r, true)(a, wp + i * ts, ts, i, t);
+            i += nt;
+          } else {
+            kernel_for<Q>(r, false)(a, i < full ? wp + i * ts : last.data(), ts, i, t);
+            ++i;
+          }
+        }
+      }
+  });
+  return out;
+}
+
+// w packed Q8_0 [N, K/32 * 34], ids [n] int64 -> rows ids of the weight, [n, K] float32
+at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
+                  w.size(1) % Q8_0::B == 0 && ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "q8_0_rows: packed w uint8 [N, K/32 * 34] and ids [n] contiguous int64 are needed");
+  const int64_t N = w.size(0), Kb = w.size(1) / Q8_0::B, n = ids.numel();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "q8_0_rows: id ", ip[i], " out of range");
+  at::Tensor out = at::empty({n, Kb * QK}, w.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {  // block i % Kb of row ids[i / Kb]
+      const int64_t row = ip[i / Kb], b = i % Kb, rows = std::min(TILE, N - row / TILE * TILE), r = row % TILE;
+      const uint8_t* p = wp + row / TILE * TILE * Kb * Q8_0::B + b * rows * Q8_0::B;
+      const float d = c10::detail::fp16_ieee_to_fp32_value(p[2 * r] | p[2 * r + 1] << 8);
+      for (int64_t k = 0; k < QK; ++k)
+        op[i * QK + k] = d * static_cast<int8_t>(p[in_tile(rows, 2 + k, 1, r)]);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(lab, CPU, m) {
+  m.impl("q4_1_pack", pack<Q4_1>);
+  m.impl("q8_0_pack", pack<Q8_0>);
+  m.impl("q4_1_linear", linear<Q4_1>);
+  m.impl("q8_0_linear", linear<Q8_0>);
+  m.impl("q8_0_rows", q8_0_rows);
+}

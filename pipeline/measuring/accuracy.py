@@ -1,0 +1,106 @@
+"""What a precision level costs in accuracy, measured against fp32 (reports/precision.json).
+
+A token stream: the project's chat and long prompts, each continued greedily by the fp32 engine.
+Teacher-forced through each level, every position's logits are compared in fp64 with fp32's: KL(p_fp32 || p_level)
+(mean, p99, max), top-1 agreement over all positions and over those without a near-tie (the reference's top-2
+log-probabilities within TIE of each other), and the change of the stream's perplexity. Free-running: each level's
+greedy outputs for whole requests against fp32's (exact-match rate, first divergences). The noise floor first:
+teacher-forced, fp32 against fp32 through another product kernel; free-running, fp32 one request at a time against
+fp32 all at once (B=1 against B=many). A level is lossless when its mean KLD is within LOSSLESS_KLD times the
+floor's and its top-1 without near-ties reaches LOSSLESS_TOP1.
+"""
+import numpy as np
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.attention import StepInputs
+from engine.kv_cache import make_cache
+from engine.outputs import ScheduledChunk, SchedulerOutput
+from engine.runner import ModelRunner
+from pipeline.workloads.prompts import long_prompts, short_prompts
+
+TIE = 1e-3            # log-probability gap of the reference's top two below which a position is a near-tie
+LOSSLESS_KLD = 10.0   # a lossless level's mean KLD is at most this many times the noise floor's
+LOSSLESS_TOP1 = 0.999  # and its top-1 agreement without near-ties at least this
+ROWS = 512            # positions whose fp64 distributions are held at once
+
+
+def token_stream(net, tokenizer, vocab_size: int, sequences: int, length: int, seed: int) -> list[list[int]]:
+    """`sequences` token sequences of `length`: the project's chat prompts (and long prompts for every fourth),
+    each continued greedily by the engine `net` (fp32) to `length` tokens; EOS neither stops nor is masked."""
+    prompts = [long_prompts(1, length // 2, tokenizer, vocab_size, seed + i)[0] if i % 4 == 3 else p
+               for i, p in enumerate(short_prompts(sequences, tokenizer, vocab_size, seed))]
+    eng = LLMEngine(net, {"name": "continuous", "max_running": sequences}, length + 1, eos_ids=[])
+    outs = eng.generate(prompts, [SamplingParams(max_new_tokens=length - len(p), ignore_eos=True) for p in prompts])
+    return [p + o for p, o in zip(prompts, outs)]
+
+
+@torch.inference_mode()
+def logits_of(net, seqs: list[list[int]]) -> torch.Tensor:
+    """fp32 logits [sum of lengths - sequences, vocab] at every position but each sequence's last, all sequences in
+    one pass (whole prompts through the engine's forward)."""
+    runner = ModelRunner(net, make_cache("slot", net, len(seqs), max(map(len, seqs))))
+    plan = SchedulerOutput(tuple(ScheduledChunk(str(i), 0, tuple(s), sample=True, prompt=True, seat=i)
+                                 for i, s in enumerate(seqs)))
+    inputs = runner.inputs(plan)
+    starts = np.cumsum([0] + [len(s) for s in seqs])
+    rows = torch.tensor([r for i, s in enumerate(seqs) for r in range(starts[i], starts[i] + len(s) - 1)])
+    inputs = StepInputs(inputs.ids, inputs.positions, inputs.places, rows, inputs.attention)
+    return net.forward(inputs, runner.cache)
+
+
+def compare(ref: torch.Tensor, gots: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, dict]:
+    """Per-position figures of each name's logits in `gots` against `ref` (fp32 [P, vocab]), in fp64, the reference's
+    distribution computed once; targets: the stream's next tokens [P]. Name -> lists to pool: kld, top1, tie (a
+    reference near-tie), nll_ref, nll_got."""
+    out = {name: {k: [] for k in ("kld", "top1", "tie", "nll_ref", "nll_got")} for name in gots}
+    for a in range(0, ref.shape[0], ROWS):
+        r, t = ref[a:a + ROWS].double().log_softmax(-1), targets[a:a + ROWS]
+        p, top2, nll_ref = r.exp(), r.topk(2, dim=-1).values, -r.gather(1, t[:, None])[:, 0]
+        for name, got in gots.items():
+            g = got[a:a + ROWS].double().log_softmax(-1)
+            o = out[name]
+            o["kld"].append((p * (r - g)).sum(-1))
+            o["tie"].append(top2[:, 0] - top2[:, 1] < TIE)
+            o["top1"].append(r.argmax(-1) == g.argmax(-1))
+            o["nll_ref"].append(nll_ref)
+            o["nll_got"].append(-g.gather(1, t[:, None])[:, 0])
+    return {name: {k: torch.cat(v) for k, v in o.items()} for name, o in out.items()}
+
+
+def summary(c: dict) -> dict:
+    """The pooled figures of compare()."""
+    kld, top1, tie = c["kld"].clamp(min=0), c["top1"], c["tie"]
+    return {"positions": int(kld.numel()), "kld_mean": float(kld.mean()), "kld_p99": float(kld.quantile(0.99)),
+            "kld_max": float(kld.max()), "top1": float(top1.float().mean()),
+            "top1_no_ties": float(top1[~tie].float().mean()), "near_ties": int(tie.sum()),
+            "ppl_delta": float(c["nll_got"].mean().exp() - c["nll_ref"].mean().exp())}
+
+
+def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int) -> dict[str, dict]:
+    """Name -> pooled compare() of each net against ref_net over the stream, `batch` sequences per pass."""
+    pooled = {name: [] for name in nets}
+    for a in range(0, len(seqs), batch):
+        chunk = seqs[a:a + batch]
+        targets = torch.tensor([t for s in chunk for t in s[1:]])
+        got = compare(logits_of(ref_net, chunk), {name: logits_of(net, chunk) for name, net in nets.items()}, targets)
+        for name in nets:
+            pooled[name].append(got[name])
+    return {name: {k: torch.cat([c[k] for c in cs]) for k in cs[0]} for name, cs in pooled.items()}
+
+
+def greedy(net, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy continuation by the engine, all at once; EOS neither stops nor is masked (no EOS ids)."""
+    eng = LLMEngine(net, {"name": "continuous", "max_running": len(prompts)}, max(map(len, prompts)) + new_tokens)
+    return eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+
+
+def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Whole-request exact matches and where the others first diverge (token index)."""
+    first = [next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(ref, got)]
+    return {"greedy_exact": sum(f is None for f in first) / len(ref),
+            "first_divergences": sorted(f for f in first if f is not None)}
+
+
+def lossless(level: dict, floor: dict) -> bool:
+    return level["kld_mean"] <= LOSSLESS_KLD * max(floor["kld_mean"], 1e-12) and level["top1_no_ties"] >= LOSSLESS_TOP1

@@ -1,0 +1,83 @@
+"""Seed 000's equivalence scenario: six requests, at most three running, staggered arrivals, one step per virtual
+second; the reference is Hugging Face generate on each request alone (engine.hf)."""
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.hf import generate_alone
+from engine.loader import eos_ids
+from engine.model import FlatModel
+from pipeline.workloads.prompts import CHAT, chat_ids
+
+NEAR_TIE = 1e-3  # logits: a reference's best beating another token by at most this is a near-tie (summation order)
+ARRIVE = {0: [0, 1], 3: [2], 4: [3, 4], 20: [5]}
+LENS = [12, 30, 5, 40, 30, 12]
+POLICIES = [
+    {"name": "naive", "max_running": 3},
+    {"name": "static", "max_running": 3, "max_batch": 3},
+    {"name": "dynamic", "max_running": 3, "max_batch": 3, "max_wait_ms": 1500},
+    {"name": "bucketed", "max_running": 3, "max_batch": 3, "max_wait_ms": 1500},
+    {"name": "continuous", "max_running": 3},
+    {"name": "mixed", "max_running": 3},
+    {"name": "chunked", "max_running": 3, "token_budget": 16},
+]
+
+
+def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]], max_request_tokens: int = 256,
+                 runner=None, max_steps: int = 5000, compile: bool = False,
+                 graphs: bool = False) -> dict[str, list[int]]:
+    """Arrivals at given steps on a virtual clock of 1 s per step; returns rid -> output tokens. model: a FlatModel
+    or a Hugging Face model; runner: a ready runner to use instead (a broken one shows the check fails)."""
+    clock = [0.0]
+    eng = LLMEngine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile,
+                    graphs=graphs, runner=runner)
+    reqs, step = {}, 0
+    while step < max_steps and (step <= max(arrive) or eng.has_work()):
+        for i in arrive.get(step, []):
+            reqs[str(i)] = eng.add_request(str(i), prompts[i], SamplingParams(max_new_tokens=lens[i], ignore_eos=True))
+        eng.step()
+        clock[0] += 1.0
+        step += 1
+    assert not eng.has_work(), f"{policy['name']} did not finish in {max_steps} steps"
+    return {rid: r.output for rid, r in reqs.items()}
+
+
+def scenario_prompts(model, tokenizer) -> list[list[int]]:
+    """Seed 000's six chat prompts (random ids of similar lengths for a model without a tokenizer)."""
+    if tokenizer is not None:
+        return [chat_ids(tokenizer, CHAT[i]) for i in range(6)]
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 23, 4, 31, 17, 40)]
+
+
+def first_divergence(got: list[int], expected: list[int]) -> int:
+    """Tokens equal before the first that differs (len(expected) if none does)."""
+    return next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
+
+
+def divergence_gap(model, prompt: list[int], expected: list[int], got: list[int]) -> float | None:
+    """Where the engine's tokens first leave the reference's: how far below the reference's best logit, in the
+    reference's own logits at that position, the engine's choice scores (None: no divergence)."""
+    k = first_divergence(got, expected)
+    if k == len(expected):
+        return None
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + expected[:k]], device=model.device)).logits[0, -1].float()
+    return logits.max().item() - logits[got[k]].item()
+
+
+def check(model, tokenizer, weights: dict, tie: float | None = None) -> dict[str, int]:
+    """Policy -> how many of the scenario's requests the engine (storage `weights`, engine.config.engine_weights)
+    answers as generate does: token for token (tie None), or up to a first divergence at a near-tie, where the
+    reference's best logit beats the engine's choice by at most `tie`."""
+    prompts = scenario_prompts(model, tokenizer)
+    ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
+    net, matches = FlatModel(model, **weights), {}
+    for policy in POLICIES:
+        out = run_scenario(net, policy, prompts, LENS, ARRIVE)
+        ok = 0
+        for i, expected in enumerate(ref):
+            gap = divergence_gap(model, prompts[i], expected, out[str(i)]) if tie is not None else None
+            ok += out[str(i)] == expected or (gap is not None and gap <= tie)
+        matches[policy["name"]] = ok
+        print(f"{policy['name']}: {ok}/{len(ref)} requests as generate answers them", flush=True)
+    return matches

@@ -1,0 +1,221 @@
+"""The servers under load: each started as its own process (python -m servers) on a free port, loaded closed-loop
+at each concurrency after a warm-up round, stopped; the main workload open loop; the in-process references."""
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pandas as pd
+from omegaconf import OmegaConf
+
+from engine.config import ROOT, engine_weights, load_configured_model, load_reference_model
+from engine.model import FlatModel
+from pipeline.measuring.disturbance import measured, server_pids
+from pipeline.measuring.loadgen import closed_loop, open_loop
+from pipeline.measuring.metrics import slo_limits, summarize
+from pipeline.measuring.timing import engine_run, hf_generate, warm_compiled
+from pipeline.workloads.prompts import CHAT, chat_ids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={cfg.precision.name}",
+            f"server={run.server}", f"port={port}", f"server.max_request_tokens={max_request_tokens}",
+            "server.max_waiting=4096",
+            "server.max_queue_wait_s=inf",  # closed loops measure queueing: admit everyone
+            f"threads={cfg.threads}", f"seed={cfg.seed}",
+            *([f"policy={run.policy}", f"policy.max_running={run.max_running}"] if run.server == "engine" else []),
+            *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}"
+              for k, v in (run.get("knobs") or {}).items()]]
+    return wait_ready(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
+
+
+def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300,
+               warm_s: float = 3600) -> subprocess.Popen:
+    """proc once its /health on 127.0.0.1:port answers 200; killed and an error if it exits, does not answer within
+    timeout_s, or is still warming up (compiling its steps, LLMEngine.warm_up) warm_s after its start."""
+    start = time.time()
+    deadline = start + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {name} exited with {proc.returncode}")
+        try:
+            r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            if r.status_code == 200:
+                return proc
+            if r.json().get("status") == "warming up":
+                deadline = max(deadline, start + warm_s)
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server {name} did not come up")
+
+
+def stop(proc: subprocess.Popen):
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def requests_for(n: int, lengths, seed: int) -> list[tuple]:
+    """n (chat text, max_tokens) pairs: prompts cycle through CHAT; lengths an int or a list to draw from."""
+    rng = random.Random(seed)
+    return [(CHAT[i % len(CHAT)], lengths if isinstance(lengths, int) else rng.choice(list(lengths)))
+            for i in range(n)]
+
+
+def summary(out: list[dict], df: pd.DataFrame, ttft_limit: float, tpot_limit: float, label: str) -> dict:
+    """The metrics module's summary of one load run, with its error count and first error; printed."""
+    s = summarize(df, None, ttft_limit, tpot_limit)
+    errors = [r["error"] for r in out if r["error"]]
+    print(f"{label}: {s['throughput_tps']:.1f} tok/s, TTFT p50 {s['ttft_p50_s']:.3f} s, "
+          f"{s['complete']}/{s['requests']} complete", flush=True)
+    return {**s, "errors": len(errors), "first_error": errors[0] if errors else None}
+
+
+def http_cpu_s(base_url: str) -> float | None:
+    """The lab server's HTTP thread CPU seconds so far (its /metrics); None for a server without that metric."""
+    try:
+        text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("lab:http_thread_cpu_seconds{")), None)
+
+
+def measure(base_url, model, name, levels, n, lengths, timeout_s, slo, seed, warm_up_tokens: int, limits, pids=(),
+            api_key=None):
+    """A closed loop at each concurrency c in `levels`, after an unrecorded warm-up round of its first c requests
+    with warm_up_tokens each (0: none), measured again while disturbed (limits: the config's `measure`; pids: the
+    server's processes, whose CPU is the run's own). Returns (summary rows, per-request records)."""
+    rows, recs = [], []
+    for c in levels:
+        reqs = requests_for(max(n, c), lengths, seed)
+        if warm_up_tokens:
+            asyncio.run(closed_loop(base_url, model, [(p, warm_up_tokens) for p, _ in reqs[:c]], c, timeout_s, api_key,
+                                    progress=False))
+
+        def level():
+            cpu0 = http_cpu_s(base_url)
+            out = asyncio.run(closed_loop(base_url, model, reqs, c, timeout_s, api_key))
+            return out, cpu0, http_cpu_s(base_url)
+
+        (out, cpu0, cpu1), watch = measured(level, limits, f"{name} c={c}", pids)
+        df = pd.DataFrame(out).assign(is_long=False)
+        s = summary(out, df, slo[0], slo[1], f"{name} c={c}")
+        tokens, tpot = sum(r["num_tokens"] for r in out), s["tpot_p50_s"]
+        cpu = (cpu1 - cpu0) * 1e3 / tokens if None not in (cpu0, cpu1) and tokens else None
+        rows.append({"backend": name, "concurrency": c, "ttft_limit_s": slo[0], "tpot_limit_s": slo[1], **s,
+                     "per_stream_tps": 1 / tpot if tpot == tpot and tpot else None,
+                     "http_cpu_ms_per_token": cpu, **watch.fields()})  # the HTTP thread's CPU per streamed token, ms
+        recs.append(df.assign(backend=name, concurrency=c))
+    return rows, recs
+
+
+def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame]:
+    """The table's workload, open loop, against an engine server with the base policy; and its in-process replay.
+    Returns (summary row with the replay's figures beside it, per-request records)."""
+    wl = pd.read_parquet(ROOT / "data" / "workloads" / f"{table}.parquet")
+    replayed = json.loads((ROOT / "data" / "results" / "engine" / f"{table}.json").read_text())["rows"][0]
+    run = OmegaConf.create({"name": f"{cfg.policy.name} (open loop)", "server": "engine", "policy": cfg.policy.name,
+                            "max_running": cfg.policy.max_running,
+                            "knobs": {k: v for k, v in cfg.policy.items() if k not in ("name", "max_running")}})
+    port = free_port()
+    proc = start(cfg, run, port, int(cfg.max_request_tokens))
+    try:
+        reqs = [(list(map(int, p)), int(n)) for p, n in zip(wl["prompt"], wl["output_tokens"])]
+        arrivals = (wl["arrival_steps"] * replayed["step_s"]).tolist()
+        out = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1", cfg.model.name, reqs, arrivals, timeout_s))
+    finally:
+        stop(proc)
+    df = pd.DataFrame(out).assign(is_long=wl["is_long"].to_numpy())
+    s = summary(out, df, replayed["ttft_limit_s"], replayed["tpot_limit_s"], run.name)
+    row = {"backend": run.name, "table": table, "load": f"{cfg.load.name} {cfg.load.get('multiple', '')}x".strip(),
+           **s, "replay": {k: replayed[k] for k in ("throughput_tps", "goodput_tps", "ttft_p50_s", "ttft_p99_s",
+                                               "tpot_p50_s", "requests", "complete")}}
+    return row, df.assign(rid=wl["rid"].to_numpy()).drop(columns=["error"])
+
+
+def references(cfg, n: int, max_tokens: int, concurrency: int) -> dict:
+    """A level's n requests in-process: the engine with `concurrency` running at once, as the server had them (its
+    steps compiled as the server's are), and HF generate on one padded batch of all n, each first warmed up with
+    warm_up_tokens per request."""
+    source, tok = load_configured_model(cfg)
+    prompts = [chat_ids(tok, text) for text, _ in requests_for(n, max_tokens, 0)]
+    net, compile, graphs = (FlatModel(source, **engine_weights(cfg)), bool(cfg.precision.compile),
+                            bool(cfg.precision.graphs))
+    model = source if cfg.precision.get("reference_dtype", cfg.precision.dtype) == cfg.precision.dtype \
+        else load_reference_model(cfg)[0]
+    warm = int(cfg.bench.server.warm_up_tokens)
+    if compile:
+        warm_compiled(net, concurrency, graphs)
+    if warm:  # every request with warm_up_tokens, as a server's warm-up round before each concurrency
+        engine_run(net, prompts, warm, compile, graphs=graphs, max_running=concurrency)
+    eng = engine_run(net, prompts, max_tokens, compile, graphs=graphs, max_running=concurrency)
+    if warm:
+        hf_generate(model, prompts, warm, tok.pad_token_id or 0)
+    hf, _ = hf_generate(model, prompts, max_tokens, tok.pad_token_id or 0)
+    return {"engine_tps": n * max_tokens / eng["total"], "hf_tps": n * max_tokens / hf}
+
+
+def main_step_s(root=ROOT) -> float:
+    """The main replay's measured full-batch decode step (s): the unit of the relative SLOs."""
+    main = root / "data" / "results" / "engine" / "main.json"
+    if not main.exists():
+        raise SystemExit(f"{main.relative_to(root)} is missing: the SLOs are multiples of the main replay's step; "
+                         "run `dvc repro bench_server` (it runs bench_engine@main first)")
+    return json.loads(main.read_text())["rows"][0]["step_s"]
+
+
+def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict | None, pd.DataFrame]:
+    """bench.server's runs and its break_static run (or only bench.target's endpoint): (summary rows, per-request
+    records, the c=64 in-process references, the open-loop row, its per-request records)."""
+    b = cfg.bench.server
+    slo = slo_limits(cfg.slo, main_step_s())
+    rows, recs, ref, opened, open_recs = [], [], None, None, pd.DataFrame()
+    t = cfg.bench.target
+    if t.base_url:
+        key = os.environ.get(t.api_key_env) if t.api_key_env else None
+        r, d = measure(t.base_url, t.model, t.name, b.runs[-1].levels, b.runs[-1].n, b.max_tokens, b.timeout_s, slo,
+                       cfg.seed, b.warm_up_tokens, cfg.measure, api_key=key)
+        return r, d, ref, opened, open_recs
+    max_request_tokens = 512 + max(b.max_tokens, *b.mixed.max_tokens)
+    for run in [*b.runs, {**b.break_static, "name": "hf-static (no deadline)"}]:
+        run = OmegaConf.create(run) if isinstance(run, dict) else run
+        port = free_port()
+        proc = start(cfg, run, port, max_request_tokens)
+        try:
+            url = f"http://127.0.0.1:{port}/v1"
+            r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
+                           run.get("timeout_s", b.timeout_s), slo, cfg.seed,
+                           run.get("warm_up_tokens", b.warm_up_tokens),
+                           cfg.measure, server_pids(proc))
+            if run.get("mixed"):
+                mr, md = measure(url, cfg.model.name, f"{run.name}, mixed lengths", b.mixed.levels, b.mixed.n,
+                                 list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed, b.warm_up_tokens, cfg.measure,
+                                 server_pids(proc))
+                r, d = r + mr, d + md
+        finally:
+            stop(proc)
+        level = cfg.precision.name if run.server == "engine" else {"float32": "fp32"}.get(cfg.precision.dtype,
+                                                                                           cfg.precision.dtype)
+        rows, recs = rows + [{**row, "precision": level} for row in r], recs + d
+    c64 = [r for r in rows if r["backend"] == "engine-continuous" and r["concurrency"] == 64]
+    if c64:
+        ref = {**references(cfg, c64[0]["requests"], int(b.max_tokens), 64), "server_tps": c64[0]["throughput_tps"]}
+    if b.get("open_loop"):
+        opened, open_recs = open_loop_run(cfg, b.open_loop.table, float(b.timeout_s))
+    return rows, recs, ref, opened, open_recs

@@ -1,0 +1,1 @@
+"""The step-time cost model and the simulator driven by it."""

@@ -1,0 +1,60 @@
+"""Step time as a non-negative combination of what each step computes (engine.simulator.FEATURES), fitted to every
+per-step record of the engine replays; its error overall and per step kind, and the knee against the ridge point.
+
+Non-negative least squares on relative error (each step weighted by 1 / its duration), so short decode steps count
+as much as long prefills: a decode step's error is what TPOT and ITL are made of.
+The knee: the prompt tokens per step at which their cost equals the fixed per-step cost (fixed / per prompt token);
+below it a step costs about the same however many tokens it carries. Predicted from the ridge (2 FLOP per weight
+per token): ridge x bytes per weight / 2 tokens (2 x ridge for fp32 weights).
+"""
+import numpy as np
+import pandas as pd
+from scipy.optimize import nnls
+
+from engine.simulator import FEATURES, CostModel
+
+
+def errors(model: CostModel, steps: pd.DataFrame) -> dict:
+    """Median and p90 relative error of the predicted step time, and R², over these steps."""
+    y = steps["duration"].to_numpy(float)
+    pred = np.array([model.predict(r) for r in steps[list(FEATURES)].to_dict("records")])
+    rel = np.abs(pred - y) / y
+    ss = ((y - y.mean()) ** 2).sum()
+    return {"steps": int(len(y)), "median_rel_error": float(np.median(rel)),
+            "p90_rel_error": float(np.percentile(rel, 90)),
+            "r2": float(1 - ((y - pred) ** 2).sum() / ss) if ss else 1.0}
+
+
+def fit(steps: pd.DataFrame) -> tuple[CostModel, dict]:
+    """The non-negative fit; stats overall and per step kind."""
+    y = steps["duration"].to_numpy(float)
+    x = np.column_stack([np.ones(len(steps)), *(steps[f].to_numpy(float) for f in FEATURES)])
+    w = 1.0 / y                                   # relative error
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0                       # a feature never seen: its coefficient stays 0
+    coef, _ = nnls(x * w[:, None] / scale, y * w)
+    coef = coef / scale
+    model = CostModel(float(coef[0]), {f: float(c) for f, c in zip(FEATURES, coef[1:])})
+    stats = errors(model, steps)
+    stats["per_kind"] = {k: errors(model, g) for k, g in steps.groupby("kind")}
+    return model, stats
+
+
+def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict) -> dict:
+    """The fit to the steps (of positive duration) of every replay not disturbed, with the knee against the ridge
+    point; `tables`: table name -> its results file (all from one machine); steps: their steps, with `table` and
+    `point` columns; hw: reports/hardware.json."""
+    machines = {t["machine"]["id"]: t["machine"] for t in tables.values()}
+    if len(machines) != 1:
+        raise SystemExit(f"fit_cost_model: the engine results come from {len(machines)} machines "
+                         f"{[m['label'] for m in machines.values()]}; rerun bench_engine on one")
+    disturbed = {(name, r["point"]) for name, t in tables.items() for r in t["rows"] if r.get("disturbed")}
+    keep = ~pd.Series(list(zip(steps["table"], steps["point"])), index=steps.index).isin(disturbed)
+    model, stats = fit(steps[keep & (steps["duration"] > 0)])
+    stats["left_out_runs"] = sorted(f"{t} | {p}" for t, p in disturbed)
+    per_token = model.coef["num_prompt_tokens"]
+    return {"cost_model": model.as_dict(), "fit": stats,
+            "knee_tokens": model.fixed / per_token if per_token > 0 else float("inf"),
+            "ridge_flop_per_byte": hw["ridge_flop_per_byte"],
+            "knee_from_ridge_tokens": hw["ridge_flop_per_byte"] * hw["weight_bytes"] / hw["params"] / 2,
+            "machine": next(iter(machines.values()))}

@@ -1,0 +1,15 @@
+"""Stage bench_cache: seed 003 §3, the growing torch.cat cache against the slot cache (data/results/cache.json)."""
+from engine.config import ROOT, load_engine_model
+from engine.machine import environment
+from pipeline.measuring.cache import BATCH, compare
+from pipeline.params import load
+from pipeline.results import write_json
+from pipeline.timings import timed_stage
+
+if __name__ == "__main__":
+    with timed_stage():
+        cfg = load()
+        net, _ = load_engine_model(cfg)
+        write_json(ROOT / "data" / "results" / "cache.json", {"batch": BATCH, "rows": compare(net),
+                                                              "machine": environment(cfg.threads,
+                                                                                     cfg.precision.device)})

@@ -1,0 +1,22 @@
+"""Stage bench_engine: each run of a table replayed through the engine on the wall clock (data/results/engine/:
+<table>.json summary rows with config and machine, <table>.parquet requests, <table>_steps.parquet steps)."""
+import sys
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from engine.config import ROOT, load_engine_model
+from engine.machine import environment
+from pipeline.measuring.replay import run_table, save_table
+from pipeline.params import load
+from pipeline.timings import timed_stage
+
+if __name__ == "__main__":
+    cfg = load([])
+    net, _ = load_engine_model(cfg)
+    for table in sys.argv[1:] or list(cfg.tables):
+        with timed_stage(f"bench_engine@{table}"):
+            workloads = pd.read_parquet(ROOT / "data" / "workloads" / f"{table}.parquet")
+            rows, reqs, steps = run_table(net, cfg, table, workloads)
+            meta = {"config": OmegaConf.to_container(cfg), "machine": environment(cfg.threads, cfg.precision.device)}
+            save_table(ROOT / "data" / "results" / "engine", table, rows, reqs, steps, meta)

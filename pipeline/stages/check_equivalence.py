@@ -1,0 +1,23 @@
+"""Stage check_equivalence: every policy on seed 000's scenario against generate on each request alone
+(reports/equivalence.json); fails unless a lossless level matches (model weights: token-equal; else up to near-ties)."""
+import sys
+
+from engine.config import ROOT, engine_weights, load_configured_model
+from engine.machine import environment
+from pipeline.measuring.equivalence import LENS, NEAR_TIE, check
+from pipeline.params import load
+from pipeline.results import write_json
+from pipeline.timings import timed_stage
+
+if __name__ == "__main__":
+    with timed_stage():
+        cfg = load()
+        model, tok = load_configured_model(cfg)
+        p = cfg.precision
+        rule = "token-equal" if p.weights == "model" and not p.lossy else "up to near-ties"
+        matches = check(model, tok, engine_weights(cfg), None if rule == "token-equal" else NEAR_TIE)
+        write_json(ROOT / "reports" / "equivalence.json", {"model": cfg.model.name, "precision": p.name,
+                                                           "rule": rule, "matches": matches, "requests": len(LENS),
+                                                           "machine": environment(cfg.threads, cfg.precision.device)})
+        failed = not p.lossy and any(v != len(LENS) for v in matches.values())
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,50 @@
+"""Stage check_precision: each precision level's accuracy against fp32, the noise floor first
+(reports/precision.json: {"levels": {level: figures}, "noise_floor": figures, ...})."""
+from engine.config import ROOT, compose_config, engine_weights, load_configured_model
+from engine.kernels import candidates
+from engine.machine import environment
+from engine.model import FlatModel
+from pipeline.measuring import accuracy
+from pipeline.params import load
+from pipeline.results import write_json
+from pipeline.timings import timed_stage
+
+if __name__ == "__main__":
+    with timed_stage():
+        cfg = load()
+        p = cfg.bench.precision
+        base = compose_config([f"model={cfg.model.name}", "precision=fp32", f"threads={cfg.threads}"])
+        model, tok = load_configured_model(base)
+        ref = FlatModel(model)
+        seqs = accuracy.token_stream(ref, tok, model.config.vocab_size, int(p.sequences), int(p.tokens), int(cfg.seed))
+        big = {k["choice"][-1] for k in ref.kernels.values()}  # the products a teacher-forced pass uses
+        other = next((c for c in candidates(ref.device, ref.dtype) if c not in big), "linear")
+        levels, skipped = {}, {}
+        for name in p.levels:
+            try:
+                levels[name] = FlatModel(model, **engine_weights(compose_config([f"model={cfg.model.name}",
+                                                                                 f"precision={name}"])))
+            except ValueError as exc:  # a level this model or machine cannot run: said, not measured
+                skipped[name] = str(exc)
+                print(f"{name}: not measured: {exc}", flush=True)
+        floor_seqs = seqs[:max(int(p.batch), len(seqs) // int(p.floor_share))]  # the floor on a share of the stream
+        pooled = {**accuracy.teacher_forced(ref, {"fp32, other product": FlatModel(model, kernel=other)}, floor_seqs,
+                                            int(p.batch)),
+                  **accuracy.teacher_forced(ref, levels, seqs, int(p.batch))}
+        figures = {name: accuracy.summary(c) for name, c in pooled.items()}
+        floor_names = ["fp32, other product"]
+        floor = figures[floor_names[0]]
+        prompts = [s[:len(s) // 4] for s in seqs[:int(p.greedy_requests)]]
+        fp32_out = accuracy.greedy(ref, prompts, int(p.greedy_tokens))
+        alone = [accuracy.greedy(ref, [q], int(p.greedy_tokens))[0] for q in prompts[:int(p.greedy_alone)]]
+        out = {"reference": "fp32", "positions": max(f["positions"] for f in figures.values()),
+               "noise_floor": {**floor, **accuracy.greedy_agreement(fp32_out[:len(alone)], alone),
+                               "comparisons": {n: figures[n] for n in floor_names}, "other_product": other},
+               "levels": {}, "skipped": skipped, "machine": environment(cfg.threads, cfg.precision.device)}
+        for name, net in levels.items():
+            level = {**figures[name], **accuracy.greedy_agreement(fp32_out, accuracy.greedy(net, prompts,
+                                                                                          int(p.greedy_tokens)))}
+            level["lossless"] = accuracy.lossless(level, floor)
+            out["levels"][name] = level
+            print(name, {k: v for k, v in level.items() if k != "first_divergences"}, flush=True)
+        write_json(ROOT / "reports" / "precision.json", out)

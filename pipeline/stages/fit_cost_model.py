@@ -1,0 +1,21 @@
+"""Stage fit_cost_model: the step-time cost model fitted to every replay's steps (data/results/cost_model.json)."""
+import json
+
+import pandas as pd
+
+from engine.config import ROOT
+from pipeline.modeling.cost_fit import fit_replays
+from pipeline.results import write_json
+from pipeline.timings import timed_stage
+
+RESULTS = ROOT / "data" / "results"
+
+if __name__ == "__main__":
+    with timed_stage():
+        paths = sorted((RESULTS / "engine").glob("*.json"))
+        steps = pd.concat([pd.read_parquet(p.with_name(f"{p.stem}_steps.parquet")).assign(table=p.stem)
+                           for p in paths], ignore_index=True)
+        out = fit_replays({p.stem: json.loads(p.read_text()) for p in paths}, steps,
+                          json.loads((ROOT / "reports" / "hardware.json").read_text()))
+        write_json(RESULTS / "cost_model.json", out)
+        print(json.dumps({k: v for k, v in out.items() if k != "machine"}, indent=1))

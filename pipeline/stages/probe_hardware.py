@@ -1,0 +1,16 @@
+"""Stage probe_hardware: what this machine can do for the configured model, and what stops a batch
+(reports/hardware.json, reports/HARDWARE.md)."""
+from engine.config import ROOT, load_configured_model
+from pipeline.measuring.hardware import probe
+from pipeline.params import load
+from pipeline.reporting.hardware import render
+from pipeline.results import write_json, write_text
+from pipeline.timings import timed_stage
+
+if __name__ == "__main__":
+    with timed_stage():
+        cfg = load()
+        model, _ = load_configured_model(cfg)
+        out = probe(cfg, model)
+        write_json(ROOT / "reports" / "hardware.json", out)
+        write_text(ROOT / "reports" / "HARDWARE.md", render(out))

@@ -1,0 +1,18 @@
+"""Stage simulate: the simulator validated against every real run, then swept (data/results/simulation.json)."""
+import json
+
+from engine.config import ROOT
+from engine.simulator import CostModel
+from pipeline.modeling.simulation import run_all
+from pipeline.params import load
+from pipeline.results import write_json
+from pipeline.timings import timed_stage
+
+RESULTS = ROOT / "data" / "results"
+
+if __name__ == "__main__":
+    with timed_stage():
+        fitted = json.loads((RESULTS / "cost_model.json").read_text())
+        out = {**run_all(CostModel(**fitted["cost_model"]), load()), "machine": fitted["machine"]}
+        write_json(RESULTS / "simulation.json", out)
+        print(json.dumps({"validation_stats": out["validation_stats"], "timing": out["timing"]}, indent=1))

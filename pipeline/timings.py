@@ -1,0 +1,36 @@
+"""How long each stage took: reports/timings.json ({"machine": {id, label}, "stages": {stage: {seconds, finished}},
+"total_seconds"}); a stage's entry is rewritten when it runs, another machine's entries dropped."""
+import json
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+
+from engine.config import ROOT
+from engine.machine import environment
+from pipeline.results import write_json
+
+TIMINGS = ROOT / "reports" / "timings.json"
+MACHINE = ROOT / "reports" / "machine.json"
+
+
+@contextmanager
+def timed_stage(name: str | None = None, path=TIMINGS):
+    """Time the block as stage `name` (default: the running module's name) and record it when the block ends
+    without an error, under the machine of reports/machine.json (this one's fingerprint where there is none)."""
+    name = name or sys.argv[0].rsplit("/", 1)[-1].removesuffix(".py")
+    t = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - t
+    try:
+        machine = json.loads(MACHINE.read_text())
+    except (OSError, ValueError):
+        machine = environment()
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    stages = old.get("stages", {}) if old.get("machine", {}).get("id") == machine["id"] else {}
+    stages[name] = {"seconds": round(seconds, 1), "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_json(path, {"machine": {"id": machine["id"], "label": machine["label"]}, "stages": stages,
+                      "total_seconds": round(sum(s["seconds"] for s in stages.values()), 1)})

