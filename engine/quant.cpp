@@ -32,8 +32,9 @@ struct Q4_1 {
   // of the R rows, scaled; xsum[r]: their sum in row r).
   template <int NT, int R>
   static inline void block(const uint8_t* const* p, const float* x, const float* xsum, F (&acc)[NT][R]) {
-    F s[NT][R];
-    UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) s[t][r] = zero();
+    F s[2][NT][R];  // sums of the low and of the high nibbles: two chains of additions a row
+    UNROLL for (int h = 0; h < 2; ++h) UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r)
+      s[h][t][r] = zero();
     UNROLL for (int w = 0; w < 4; ++w) {
       Nibbles c[NT];
       UNROLL for (int t = 0; t < NT; ++t) c[t] = nibbles(p[t] + in_tile(TILE, 4 + 4 * w, 4, 0));
@@ -41,13 +42,13 @@ struct Q4_1 {
         const float* xk = x + (4 * w + i / 2 + 16 * (i % 2)) * R;
         UNROLL for (int t = 0; t < NT; ++t) {
           const F q = nibble(c[t], i);
-          UNROLL for (int r = 0; r < R; ++r) s[t][r] = fma(xk[r], q, s[t][r]);
+          UNROLL for (int r = 0; r < R; ++r) s[i % 2][t][r] = fma(xk[r], q, s[i % 2][t][r]);
         }
       }
     }
     UNROLL for (int t = 0; t < NT; ++t) {
       const F d = mul(halves(p[t]), 0x1p-12f), m = halves(p[t] + in_tile(TILE, 2, 2, 0));
-      UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(xsum[r], m, fma(d, s[t][r], acc[t][r]));
+      UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(xsum[r], m, fma(d, add(s[0][t][r], s[1][t][r]), acc[t][r]));
     }
   }
 };

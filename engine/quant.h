@@ -17,6 +17,7 @@ struct F {
 };
 static inline F zero() { return {_mm512_setzero_ps()}; }
 static inline F fma(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline F add(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
 static inline F fma(float a, F b, F c) { return {_mm512_fmadd_ps(_mm512_set1_ps(a), b.v, c.v)}; }
 static inline F mul(F a, float b) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(b))}; }
 static inline void store(F a, float* o) { _mm512_storeu_ps(o, a.v); }
@@ -44,6 +45,7 @@ struct F {  // rows 0-7 and 8-15
 };
 static inline F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+static inline F add(F a, F b) { return {_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
 static inline F fma(float a, F b, F c) { return fma(F{_mm256_set1_ps(a), _mm256_set1_ps(a)}, b, c); }
 static inline F mul(F a, float b) {
   return {_mm256_mul_ps(a.a, _mm256_set1_ps(b)), _mm256_mul_ps(a.b, _mm256_set1_ps(b))};
@@ -98,6 +100,10 @@ static inline F fma(float a, F b, F c) {
 }
 static inline F mul(F a, float b) {
   for (int i = 0; i < TILE; ++i) a.v[i] *= b;
+  return a;
+}
+static inline F add(F a, F b) {
+  for (int i = 0; i < TILE; ++i) a.v[i] += b.v[i];
   return a;
 }
 static inline void store(F a, float* o) { std::copy_n(a.v, TILE, o); }
