@@ -52,19 +52,27 @@ def logits_of(net, seqs: list[list[int]]) -> torch.Tensor:
 def compare(ref: torch.Tensor, gots: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, dict]:
     """Per-position figures of each name's logits in `gots` against `ref` (fp32 [P, vocab]), in fp64, the reference's
     distribution computed once; targets: the stream's next tokens [P]. Name -> lists to pool: kld, top1, tie (a
-    reference near-tie), nll_ref, nll_got."""
+    reference near-tie), nll_ref, nll_got. KL(p || q) = sum p (a - b) - (lse_a - lse_b) for logits a, b: the small
+    differences a - b are summed, not the large log-probabilities."""
     out = {name: {k: [] for k in ("kld", "top1", "tie", "nll_ref", "nll_got")} for name in gots}
-    for a in range(0, ref.shape[0], ROWS):
-        r, t = ref[a:a + ROWS].double().log_softmax(-1), targets[a:a + ROWS]
-        p, top2, nll_ref = r.exp(), r.topk(2, dim=-1).values, -r.gather(1, t[:, None])[:, 0]
+    for s in range(0, ref.shape[0], ROWS):
+        a, t = ref[s:s + ROWS].double(), targets[s:s + ROWS, None]
+        lse_a = a.logsumexp(-1)
+        p = (a - lse_a[:, None]).exp_()
+        top2 = a.topk(2, dim=-1).values
+        top_a = a.argmax(-1)
         for name, got in gots.items():
-            g = got[a:a + ROWS].double().log_softmax(-1)
+            g = got[s:s + ROWS]
+            b = g.double()
+            lse_b = b.logsumexp(-1)
             o = out[name]
-            o["kld"].append((p * (r - g)).sum(-1))
+            nll_got = lse_b - b.gather(1, t)[:, 0]
+            b.sub_(a).neg_()  # a - b
+            o["kld"].append(torch.bmm(p[:, None, :], b[:, :, None])[:, 0, 0] - (lse_a - lse_b))
             o["tie"].append(top2[:, 0] - top2[:, 1] < TIE)
-            o["top1"].append(r.argmax(-1) == g.argmax(-1))
-            o["nll_ref"].append(nll_ref)
-            o["nll_got"].append(-g.gather(1, t[:, None])[:, 0])
+            o["top1"].append(top_a == g.argmax(-1))
+            o["nll_ref"].append(lse_a - a.gather(1, t)[:, 0])
+            o["nll_got"].append(nll_got)
     return {name: {k: torch.cat(v) for k, v in o.items()} for name, o in out.items()}
 
 
@@ -77,14 +85,17 @@ def summary(c: dict) -> dict:
             "ppl_delta": float(c["nll_got"].mean().exp() - c["nll_ref"].mean().exp())}
 
 
-def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int) -> dict[str, dict]:
-    """Name -> pooled compare() of each net against ref_net over the stream, `batch` sequences per pass."""
+def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int,
+                   share: dict | None = None) -> dict[str, dict]:
+    """Name -> pooled compare() of each net against ref_net over the stream, `batch` sequences per pass; a name in
+    `share` only on the stream's first share[name] sequences (the reference's logits computed once for all)."""
     pooled = {name: [] for name in nets}
     for a in range(0, len(seqs), batch):
         chunk = seqs[a:a + batch]
+        here = {name: net for name, net in nets.items() if a < (share or {}).get(name, len(seqs))}
         targets = torch.tensor([t for s in chunk for t in s[1:]])
-        got = compare(logits_of(ref_net, chunk), {name: logits_of(net, chunk) for name, net in nets.items()}, targets)
-        for name in nets:
+        got = compare(logits_of(ref_net, chunk), {name: logits_of(net, chunk) for name, net in here.items()}, targets)
+        for name in here:
             pooled[name].append(got[name])
     return {name: {k: torch.cat([c[k] for c in cs]) for k in cs[0]} for name, cs in pooled.items()}
 

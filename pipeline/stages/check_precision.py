@@ -27,12 +27,11 @@ if __name__ == "__main__":
             except ValueError as exc:  # a level this model or machine cannot run: said, not measured
                 skipped[name] = str(exc)
                 print(f"{name}: not measured: {exc}", flush=True)
-        floor_seqs = seqs[:max(int(p.batch), len(seqs) // int(p.floor_share))]  # the floor on a share of the stream
-        pooled = {**accuracy.teacher_forced(ref, {"fp32, other product": FlatModel(model, kernel=other)}, floor_seqs,
-                                            int(p.batch)),
-                  **accuracy.teacher_forced(ref, levels, seqs, int(p.batch))}
+        floor_names = ["fp32, other product"]  # the floor on a share of the stream
+        share = {floor_names[0]: max(int(p.batch), len(seqs) // int(p.floor_share))}
+        pooled = accuracy.teacher_forced(ref, {floor_names[0]: FlatModel(model, kernel=other), **levels}, seqs,
+                                         int(p.batch), share)
         figures = {name: accuracy.summary(c) for name, c in pooled.items()}
-        floor_names = ["fp32, other product"]
         floor = figures[floor_names[0]]
         prompts = [s[:len(s) // 4] for s in seqs[:int(p.greedy_requests)]]
         fp32_out = accuracy.greedy(ref, prompts, int(p.greedy_tokens))
