@@ -1,7 +1,7 @@
 """python -m pipeline.tools.neighbour [overrides]: what a busy neighbour costs the engine on this machine. The
 engine's decode rate at B=1 and B=64 quiet, beside one busy process (a normal-priority spin loop this script
-starts), and quiet again; beside the neighbour both with the thread governor (engine/threads.py) and with the
-threads fixed, so the difference the governor makes is measured too. Writes reports/neighbour.json."""
+starts), and quiet again; quiet and beside the neighbour both with the thread governor (engine/threads.py) and with
+the threads fixed, so what the governor gains and costs is measured too. Writes reports/neighbour.json."""
 import subprocess
 import sys
 import time
@@ -42,8 +42,9 @@ def main(cfg) -> dict:
     prompts = {b: prompts_for("chat", b, tok, model.config.vocab_size) for b in BATCHES}
     engine_run(net, prompts[1], 8)  # warm-up
     rows = []
-    for label, busy, governed in (("quiet", False, True), ("busy, governed", True, True),
-                                  ("busy, fixed threads", True, False), ("quiet again", False, True)):
+    for label, busy, governed in (("quiet", False, True), ("quiet, fixed threads", False, False),
+                                  ("busy, governed", True, True), ("busy, fixed threads", True, False),
+                                  ("quiet again", False, True)):
         proc = spin() if busy else None
         time.sleep(1.0 if busy else 0.0)  # the neighbour settles on a core
         threads.govern(int(cfg.threads)) if governed else threads.stop(int(cfg.threads))
