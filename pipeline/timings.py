@@ -1,6 +1,7 @@
 """How long each stage took: reports/timings.json ({"machine": {id, label}, "stages": {stage: {seconds, finished}},
 "total_seconds"}); a stage's entry is rewritten when it runs, another machine's entries dropped."""
 import json
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -14,11 +15,16 @@ TIMINGS = ROOT / "reports" / "timings.json"
 MACHINE = ROOT / "reports" / "machine.json"
 
 
+def _stopped(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def timed_stage(name: str | None = None, path=TIMINGS):
     """Time the block as stage `name` (default: the running module's name) and record it when the block ends
     without an error, under the machine of reports/machine.json (this one's fingerprint where there is none)."""
     name = name or sys.argv[0].rsplit("/", 1)[-1].removesuffix(".py")
+    signal.signal(signal.SIGTERM, _stopped)  # a stopped stage unwinds: the servers it started are stopped too
     t = time.perf_counter()
     yield
     seconds = time.perf_counter() - t
