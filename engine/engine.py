@@ -1,4 +1,5 @@
 """The engine: validate and queue requests; each step is schedule, run, update, the same for every policy."""
+import itertools
 import time
 
 from engine import kernels
@@ -35,6 +36,7 @@ class LLMEngine:
         self.clock = clock
         self.t0 = clock()
         self.records: list[StepRecord] = []  # one per forward pass since the last take_records()
+        self._generated = itertools.count()  # ids of generate()'s requests
 
     def now(self) -> float:
         """Seconds since the engine was made (or restarted)."""
@@ -126,7 +128,7 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """All prompts arrive now; step until every one is done; return each one's output tokens."""
         params = params if isinstance(params, list) else [params] * len(prompts)
-        reqs = [self.add_request(f"g{id(prompts)}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        reqs = [self.add_request(f"g{next(self._generated)}", p, sp) for p, sp in zip(prompts, params)]
         while self.has_work():
             self.step()
         return [r.output for r in reqs]

@@ -13,7 +13,9 @@ from collections import deque
 
 from engine.blocks import BlockManager
 from engine.outputs import KVUsage, RunnerOutput, ScheduledChunk, SchedulerOutput, StepEvent
-from engine.request import Request, Status, stop_reason
+from engine.request import Request, SamplingParams, Status, stop_reason
+
+ZOMBIE = SamplingParams()  # a zombie row's sampling: its token is discarded, so greedy, no penalties, no RNG
 
 
 class SeatTable:
@@ -183,11 +185,13 @@ class Scheduler(ABC):
         """A finished row's dummy decode: its last token again, at its next position (clamped to the seat)."""
         start = min(req.num_computed, self.max_request_tokens - 1)
         return ScheduledChunk(req.rid, start, (req.output[-1] if req.output else req.prompt[-1],), sample=True,
-                              zombie=True, seat=req.seat, params=req.params)
+                              zombie=True, seat=req.seat, params=ZOMBIE)
 
     def _output(self, chunks: list[ScheduledChunk], new: list[Request], pads: int = 0) -> SchedulerOutput:
-        finished, self._finished_since = tuple(self._finished_since), []
-        preempted, self._preempted_since = tuple(self._preempted_since), []
+        finished, preempted = (), ()
+        if chunks:  # a plan with no chunks does not run: its ids wait for the next one that does
+            finished, self._finished_since = tuple(self._finished_since), []
+            preempted, self._preempted_since = tuple(self._preempted_since), []
         return SchedulerOutput(tuple(chunks), tuple(r.rid for r in new), finished, preempted, pads,
                                {r.rid: r.num_cached for r in new}, self._usage(chunks))
 

@@ -113,8 +113,11 @@ def test_the_writer_refuses_an_impossible_figure_and_keeps_the_good_file(tmp_pat
         write_parquet(tmp_path / "runs.parquet", pd.DataFrame([row]))
 
 
-def test_nan_times_mean_not_measured_and_pass():
-    write_json(os.devnull, {"rows": [{"point": "x", "ttft_long_p50_s": math.nan, "ttft_limit_s": math.inf}]})
+def test_nan_times_mean_not_measured_and_pass(tmp_path):
+    rows = {"rows": [{"point": "x", "ttft_long_p50_s": math.nan, "ttft_limit_s": math.inf}]}
+    write_json(tmp_path / "ok.json", rows)
+    back = json.loads((tmp_path / "ok.json").read_text())["rows"][0]
+    assert back["point"] == "x" and math.isnan(back["ttft_long_p50_s"]) and back["ttft_limit_s"] == math.inf
 
 
 def test_the_engines_threads_follow_the_free_cores(monkeypatch):

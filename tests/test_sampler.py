@@ -94,3 +94,28 @@ def test_every_tensor_lives_on_the_logits_device():
                                               frequency_penalty=0.2, ignore_eos=True), SamplingParams(temperature=1.0)]
     with pytest.raises(NotImplementedError, match="meta"):
         Sampler(seed=0, eos_ids=[2])(logits, ["a", "b", "c"], params, {"b": ([1, 2], [3])})
+
+
+@pytest.mark.parametrize("policy", [{"name": "static", "max_batch": 3}, {"name": "dynamic", "max_batch": 3},
+                                    {"name": "bucketed", "max_batch": 3}])
+def test_penalised_requests_in_a_held_batch_finish_as_they_would_alone(tiny_llama, policy):
+    """A batch that holds its finished rows (zombies) beside penalised ones: every request's tokens are its own, as
+    run one at a time."""
+    prompts = [[5, 6, 7, 5], [9, 9, 8], [3, 4]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2) for n in (2, 7, 4)]
+    held = LLMEngine(tiny_llama, policy, 32, eos_ids=[2])
+    alone = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, 32, eos_ids=[2])
+    assert held.generate(prompts, params) == [alone.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+
+
+def test_a_finished_requests_generator_is_released(tiny_llama):
+    """Sampled requests' generators go with the requests: once the next batch has run, the first one's are gone,
+    zombies of a held batch included (they sample greedily)."""
+    for policy in ({"name": "continuous", "max_running": 4}, {"name": "dynamic", "max_batch": 3, "max_wait_ms": 0}):
+        engine = LLMEngine(tiny_llama, policy, 32, eos_ids=[2])
+        hot = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0, seed=n) for n in (2, 5, 3)]
+        engine.generate([[5, 6], [7], [8, 9, 10]], hot)
+        engine.step()  # idle: nothing runs, nothing is lost
+        engine.generate([[4]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert engine.runner.sampler._rngs == {}, policy
