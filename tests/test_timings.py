@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_stage_records_its_seconds_under_its_name(tmp_path):
     path = tmp_path / "timings.json"
     with timed_stage("one", path=path):
-        time.sleep(0.05)
+        time.sleep(0.2)
     with timed_stage("two", path=path):
         pass
     out = json.loads(path.read_text())
-    assert set(out["stages"]) == {"one", "two"} and out["stages"]["one"]["seconds"] >= 0.0
+    assert set(out["stages"]) == {"one", "two"} and out["stages"]["one"]["seconds"] >= 0.2
     assert out["total_seconds"] == round(sum(s["seconds"] for s in out["stages"].values()), 1)
 
 
