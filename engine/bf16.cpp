@@ -20,7 +20,8 @@ constexpr int64_t RB = 6;     // rows of x per kernel call
 // Whether this CPU multiplies bf16 pairs in hardware (AVX512-BF16).
 bool bf16_native() {
 #if defined(LAB_BF16)
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif
@@ -43,7 +44,7 @@ at::Tensor bf16_pack(const at::Tensor& w) {
 #if defined(LAB_BF16)
 // R rows of xb (bf16, K each, `xs` apart) against `nt` tiles starting at w: out rows (`os` apart) at column c0.
 template <int R, int NT>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) static void tile_kernel(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void tile_kernel(
     const uint16_t* xb, int64_t xs, const uint16_t* w, int64_t K, float* out, int64_t os, int64_t c0, int64_t N,
     const float* bias, const float* res, int64_t rs) {
   __m512 acc[R][NT];
@@ -69,6 +70,16 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) static void tile_kernel(
       if (res) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + r * rs + c));
       _mm512_mask_storeu_ps(out + r * os + c, m, y);
     }
+  }
+}
+
+// K floats at x -> K bf16 at o, nearest even (inputs below 2^-126 count as zeros).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void to_bf16(const float* x, uint16_t* o,
+                                                                            int64_t K) {
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k));
+    _mm256_mask_storeu_epi16(o + k, m, reinterpret_cast<const __m256i&>(h));
   }
 }
 
@@ -101,15 +112,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
               "bf16_linear: x [T, K] and w packed by bf16_pack for [n, K] are needed");
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat, "bias [n]");
   if (residual) check(*residual, "residual");
-  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // nearest even
+  const at::Tensor xb = at::empty({T, K}, x.options().dtype(at::kBFloat16));
+  auto* xq = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  parallel(0, T, std::max<int64_t>(1, GRAIN / K), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) to_bf16(x.data_ptr<float>() + t * x.stride(0), xq + t * K, K);
+  });
   at::Tensor out = at::empty({T, n}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const uint16_t* xp = xq;
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   const int64_t rs = residual ? residual->stride(0) : 0, groups = (tiles + TILES - 1) / TILES;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  parallel(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t t0 = g * TILES, nt = std::min(TILES, tiles - t0);
       for (int64_t r = 0; r < T; r += RB) {

@@ -165,7 +165,7 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const GroupFn fn = group_for(D);
-  at::parallel_for(0, S * KV, std::max<int64_t>(1, GRAIN / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
+  parallel(0, S * KV, std::max<int64_t>(1, GRAIN / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * L);  // [G, n] scores, then probabilities
     for (int64_t i = begin; i < end; ++i) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;

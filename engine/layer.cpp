@@ -1,10 +1,12 @@
-// One decoder layer in one call (torch.ops.lab.layer; schema in engine/native.cpp): norm, qkv product, rotary, KV
-// writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product (+ residual), each step
-// the same operator the Python layer loop calls, so the results are the same bits; only the per-operator Python
-// dispatch is gone. Each product is named by its kind (PRODUCTS, in the order of engine/model.py's NATIVE_PRODUCTS).
+// Every decoder layer of a step in one call (torch.ops.lab.layers; schema in engine/native.cpp), each layer: norm, qkv
+// product, rotary, KV writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product
+// (+ residual), each step the same operator the Python layer loop calls, so the results are the same bits; only the
+// per-operator Python dispatch is gone. Each product is named by its kind (Product, in the order of engine/model.py's
+// NATIVE_PRODUCTS).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
+#include <ATen/record_function.h>
 
 #include "native.h"
 
@@ -16,10 +18,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& bias, double scale);
 at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                            const std::optional<at::Tensor>& rows, double scale);
+using Opt = std::optional<at::Tensor>;
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
 
 enum Product : int64_t { IN_OUT, LINEAR, PACKED, ONEDNN, Q4_1, Q8_0, BF16 };
 
-// An operator registered elsewhere (MKL's, oneDNN's, the GGUF products), called with its arguments boxed.
+// An operator registered elsewhere (MKL's, oneDNN's), called with its arguments boxed.
 static at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
   op.callBoxed(&args);
   return args[0].toTensor();
@@ -29,9 +35,9 @@ static c10::OperatorHandle find(const char* name, const char* overload = "") {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
 
-// y = x W^T (+ bias) (+ residual) as kernels.Dense.product (or the GGUF products) computes it: w and aux are the
-// layouts that product reads (aux: the [out, in] weight MKL's packed product takes its sizes from; for bf16 the
-// number of outputs).
+// y = x W^T (+ bias) (+ residual) as kernels.Dense.product (or the GGUF and bf16 products) computes it: w and aux
+// are the layouts that product reads (aux: the [out, in] weight MKL's packed product takes its sizes from; for bf16
+// the number of outputs).
 static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& aux,
                           const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
   switch (kind) {
@@ -55,17 +61,17 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       static const c10::OperatorHandle op = find("mkldnn::_linear_pointwise");
       return call(op, {x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), ""});
     }
-    case Q4_1: {
-      static const c10::OperatorHandle op = find("lab::q4_1_linear");
-      return call(op, {x, w, bias, residual});
+    case Q4_1: {  // this library's own products: called directly, named for the profiler
+      RECORD_FUNCTION("lab::q4_1_linear", std::vector<c10::IValue>());
+      return q4_1_linear(x, w, bias, residual);
     }
     case Q8_0: {
-      static const c10::OperatorHandle op = find("lab::q8_0_linear");
-      return call(op, {x, w, bias, residual});
+      RECORD_FUNCTION("lab::q8_0_linear", std::vector<c10::IValue>());
+      return q8_0_linear(x, w, bias, residual);
     }
     case BF16: {  // aux: the number of outputs, a 0-dim int64 tensor
-      static const c10::OperatorHandle op = find("lab::bf16_linear");
-      return call(op, {x, w, aux->item<int64_t>(), bias, residual});
+      RECORD_FUNCTION("lab::bf16_linear", std::vector<c10::IValue>());
+      return bf16_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
     }
   }
   TORCH_CHECK(false, "layer: unknown product kind ", kind);
@@ -76,13 +82,10 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
 // cache, rows [T * kv heads] the flat cache rows the step's K/V go to. Attention: `spans` given, each token against
 // its own keys (token_attention, `key_rows` on a paged cache); else decodes in seats [0, seats) against their first
 // `length` keys (decode_attention, `bias` [seats, length] additive or none).
-at::Tensor layer(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& weights, at::IntArrayRef kinds,
-                 const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& rows, const std::optional<at::Tensor>& spans, const std::optional<at::Tensor>& key_rows,
-                 const std::optional<at::Tensor>& bias, int64_t seats, int64_t length, int64_t heads, double eps,
-                 double scale) {
-  TORCH_CHECK(weights.size() == 14 && kinds.size() == 4, "layer: 14 weights (ln1, ln2, 4 x (w, aux, bias)) and 4 "
-              "product kinds are needed");
+static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::IntArrayRef kinds, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& rows, const Opt& spans, const Opt& key_rows, const Opt& bias, int64_t seats,
+                        int64_t length, int64_t heads, double eps, double scale) {
   const int64_t T = x.size(0), KV = k_cache.size(1), D = k_cache.size(3);
   const auto w = [&](int i) -> const at::Tensor& { return *weights[i]; };
   const auto p = [&](int j, const at::Tensor& in, const std::optional<at::Tensor>& residual) {
@@ -109,5 +112,21 @@ at::Tensor layer(const at::Tensor& x, const std::vector<std::optional<at::Tensor
   return p(3, silu_mul(p(2, rms_norm(h, w(1), eps), std::nullopt)), h);
 }
 
-TORCH_LIBRARY_IMPL(lab, CPU, m) { m.impl("layer", layer); }
-TORCH_LIBRARY_IMPL(lab, MkldnnCPU, m) { m.impl("layer", layer); }  // weights in oneDNN's layout select this key
+// Layer i of the stack: weights[14 i, 14 i + 14), kinds[4 i, 4 i + 4), k_caches[i], v_caches[i]; the rest as above.
+at::Tensor layers(const at::Tensor& x, const std::vector<Opt>& weights, at::IntArrayRef kinds, const at::Tensor& cos,
+                  const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& rows,
+                  const Opt& spans, const Opt& key_rows, const Opt& bias, int64_t seats, int64_t length, int64_t heads,
+                  double eps, double scale) {
+  const size_t L = k_caches.size();
+  TORCH_CHECK(v_caches.size() == L && weights.size() == 14 * L && kinds.size() == 4 * L,
+              "layers: per layer a K and a V cache, 14 weights (ln1, ln2, 4 x (w, aux, bias)) and 4 product kinds "
+              "are needed");
+  at::Tensor h = x;
+  for (size_t i = 0; i < L; ++i)
+    h = layer(h, c10::ArrayRef<Opt>(weights).slice(14 * i, 14), kinds.slice(4 * i, 4), cos, sin, k_caches[i],
+              v_caches[i], rows, spans, key_rows, bias, seats, length, heads, eps, scale);
+  return h;
+}
+
+TORCH_LIBRARY_IMPL(lab, CPU, m) { m.impl("layers", layers); }
+TORCH_LIBRARY_IMPL(lab, MkldnnCPU, m) { m.impl("layers", layers); }  // weights in oneDNN's layout select this key

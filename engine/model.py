@@ -32,12 +32,12 @@ ROW_BLOCK = 1024  # tokens per MLP block in long prefills: keeps the [rows, 2 x 
 KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
 
-NATIVE_PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layer's kinds, in order
+NATIVE_PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layers' kinds, in order
 
 
 def native_product(d, bucket: int) -> tuple | None:
-    """(kind, weight, aux, bias) of the product a Dense or GgufDense runs at a row bucket, as lab.layer takes it;
-    None for one lab.layer does not call."""
+    """(kind, weight, aux, bias) of the product a Dense or GgufDense runs at a row bucket, as lab.layers takes it;
+    None for one lab.layers does not call."""
     if isinstance(d, GgufDense):
         return NATIVE_PRODUCTS.index(d.fmt), d.packed, None, d.bias
     if isinstance(d, Bf16Dense):
@@ -139,7 +139,7 @@ class FlatModel:
         if take:
             hf_model.forward = _taken
         self.compiled_step = CompiledStep(self._traced)  # decode-only steps through torch.compile (forward)
-        self._native: dict[int, list | None] = {}  # row bucket -> each layer's lab.layer arguments, or None
+        self._native: dict[int, tuple | None] = {}  # row bucket -> lab.layers' weights and kinds, or None
         self.kernels = self._choose_kernels(kernel, remeasure) if weights == "model" else {}
         # (in, out) -> {"choice": per bucket, "ms": timings}; other storage has one product per level
 
@@ -165,6 +165,12 @@ class FlatModel:
     def step_bytes(self) -> int:
         """Bytes of weights one step reads: every product's weight once, in the layout it multiplies."""
         return sum(d.weight_bytes for d in [self.lm_head, *(d for l in self.layers for d in (l[1], l[2], l[4], l[5]))])
+
+    @property
+    def arithmetic(self) -> list[str]:
+        """How the products compute on this machine: GGUF and bf16 weights say so; fp32 is fp32 (kernels)."""
+        mats = [self.lm_head, *(d for l in self.layers for d in (l[1], l[2], l[4], l[5]))]
+        return sorted({getattr(d, "arithmetic", "fp32") for d in mats})
 
     @property
     def nbytes(self) -> int:
@@ -228,7 +234,7 @@ class FlatModel:
                        attention=DenseDecode(Sb, Lb, bias[:, None, None, :]))
 
     def _traced(self, inputs: StepInputs, cache) -> torch.Tensor:
-        """The step torch.compile traces: the Python layer loop (the compiler fuses what lab.layer would)."""
+        """The step torch.compile traces: the Python layer loop (the compiler fuses what lab.layers would)."""
         return self._forward(inputs, cache, native=False)
 
     def _forward(self, inputs: StepInputs, cache, native: bool = True) -> torch.Tensor:
@@ -240,13 +246,12 @@ class FlatModel:
         T = inputs.ids.shape[0]
         rows = cache.rows(inputs.places, inputs.positions)  # flat cache rows of this step's tokens
         layers = self._native_layers(T, inputs.attention) if native and not isinstance(cache, CatCache) else None
-        if layers is not None:  # one call per layer (not on the cat cache, which grows in write)
+        if layers is not None:  # every layer in one call (not on the cat cache, which grows in write)
             a = inputs.attention
             spans, keys = (a.spans, a.key_rows) if isinstance(a, Spans) else (None, None)
             seats, length, bias = (a.num_seats, a.length, a.bias) if isinstance(a, DenseDecode) else (0, 0, None)
-            for i, (weights, kinds) in enumerate(layers):
-                x = self.fused.layer(x, weights, kinds, cos[:, 0], sin[:, 0], cache.k[i], cache.v[i], rows, spans,
-                                     keys, bias, seats, length, H, self.eps, self.attn_scale)
+            x = self.fused.layers(x, *layers, cos[:, 0], sin[:, 0], cache.k, cache.v, rows, spans, keys, bias, seats,
+                                  length, H, self.eps, self.attn_scale)
             return self.lm_head(self._norm(x[inputs.logit_rows], self.norm)).float()
         for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
             qkv = wqkv(self._norm(x, ln1))
@@ -261,24 +266,25 @@ class FlatModel:
                 x = torch.cat([self._mlp(xb, ln2, wgu, wd) for xb in x.split(ROW_BLOCK)])
         return self.lm_head(self._norm(x[inputs.logit_rows], self.norm)).float()
 
-    def _native_layers(self, rows: int, attention) -> list | None:
-        """Each layer's (weights, product kinds) for lab.layer at this row count, or None where the Python loop
-        runs: no fused kernels, another activation than SiLU, attention other than DenseDecode or Spans, more rows
-        than a row block, or a product lab.layer does not call."""
+    def _native_layers(self, rows: int, attention) -> tuple | None:
+        """Every layer's weights and product kinds, one after another, for lab.layers at this row count, or None where
+        the Python loop runs: no fused kernels, another activation than SiLU, attention other than DenseDecode or
+        Spans, more rows than a row block, or a product lab.layers does not call."""
         if self.fused is None or self.act is not F.silu or rows > ROW_BLOCK \
                 or not isinstance(attention, (DenseDecode, Spans)):
             return None
         b = kernels.bucket(rows)
         if b not in self._native:
-            layers = []
+            weights, kinds = [], []
             for ln1, wqkv, wo, ln2, wgu, wd in self.layers:
                 parts = [native_product(d, b) for d in (wqkv, wo, wgu, wd)]
                 if None in parts:
                     self._native[b] = None
                     break
-                layers.append(([ln1, ln2, *(t for kind, *ts in parts for t in ts)], [kind for kind, *_ in parts]))
+                weights += [ln1, ln2, *(t for kind, *ts in parts for t in ts)]
+                kinds += [kind for kind, *_ in parts]
             else:
-                self._native[b] = layers
+                self._native[b] = (weights, kinds)
         return self._native[b]
 
     def _norm(self, x, w):

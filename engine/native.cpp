@@ -1,7 +1,7 @@
 // Fused fp32 CPU kernels for the steps' small operators, registered as torch.ops.lab.* (built by engine/native.py
 // with engine/decode_attention.cpp). Each replaces several ATen calls (and their temporaries) with one pass over the
-// data, vectorized with ATen's Vectorized<float> (AVX-512, AVX2 or scalar, as built), parallel over rows with
-// at::parallel_for.
+// data, vectorized with ATen's Vectorized<float> (AVX-512, AVX2 or scalar, as built), parallel over rows (native.h's
+// parallel).
 #include "native.h"
 
 // x [T, N] (rows may be strided), w [N] -> x * rsqrt(mean(x^2) + eps) * w, [T, N] contiguous
@@ -13,7 +13,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty({T, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+  parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* r = xp + t * xs;
       float* o = op + t * N;
@@ -34,7 +34,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor out = at::empty({T, I}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, GRAIN / I), [&](int64_t begin, int64_t end) {
+  parallel(0, T, std::max<int64_t>(1, GRAIN / I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *g = gp + t * gs, *u = g + I;
       float* o = op + t * I;
@@ -61,7 +61,7 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t qs = qk.stride(0), hs = qk.stride(1), cs = cos.stride(0), ss = sin.stride(0);
   float* qp = qk.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, GRAIN / (Hd * D)), [&](int64_t begin, int64_t end) {
+  parallel(0, T, std::max<int64_t>(1, GRAIN / (Hd * D)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *c = cp + t * cs, *s = sp + t * ss;
       for (int64_t j = 0; j < Hd; ++j) {
@@ -94,7 +94,7 @@ void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) 
   for (int64_t i = 0; i < T * Hd; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < N, "write_rows_: row ", r[i], " out of range");
   float* dp = dst.data_ptr<float>();
   const float* sp = src.data_ptr<float>();
-  at::parallel_for(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
+  parallel(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       std::copy_n(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), D, dp + r[i] * D);
   });
@@ -114,8 +114,8 @@ TORCH_LIBRARY(lab, m) {
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");  // bf16 products: engine/bf16.cpp
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("layer(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!) k_cache, "  // layer.cpp
-        "Tensor(b!) v_cache, Tensor rows, Tensor? spans, Tensor? key_rows, Tensor? bias, int seats, int length, "
+  m.def("layers(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "  // layer.cpp
+        "Tensor(b!)[] v_caches, Tensor rows, Tensor? spans, Tensor? key_rows, Tensor? bias, int seats, int length, "
         "int heads, float eps, float scale) -> Tensor");
 }
 

@@ -1,5 +1,5 @@
-// What the fused kernels' sources share (engine/native.cpp, engine/decode_attention.cpp): ATen's vector type
-// and width, the size below which a loop stays on one thread, the argument check, dot and axpy.
+// What the fused kernels' sources share (engine/*.cpp): ATen's vector type and width, the size below which a loop
+// stays on one thread, the parallel split, the argument check, dot and axpy.
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -12,6 +12,9 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
@@ -35,4 +38,22 @@ static inline void axpy(float a, const float* x, float* y, int64_t n) {  // y +=
   int64_t d = 0;
   for (; d + W <= n; d += W) at::vec::fmadd(Vec(a), Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
   for (; d < n; ++d) y[d] += a * x[d];
+}
+
+// f(begin, end) over [begin, end) in contiguous chunks, one per thread (torch's number, at most one per `grain`):
+// one OpenMP region, without at::parallel_for's per-call copy of thread-local state (the fused kernels need none).
+template <class Fn>
+static inline void parallel(int64_t begin, int64_t end, int64_t grain, const Fn& f) {
+  const int64_t n = end - begin, threads = std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(1, grain));
+#ifdef _OPENMP
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t k = omp_get_num_threads(), chunk = (n + k - 1) / k, b = begin + omp_get_thread_num() * chunk;
+      if (b < end) f(b, std::min(end, b + chunk));
+    }
+    return;
+  }
+#endif
+  if (n > 0) f(begin, end);
 }

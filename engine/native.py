@@ -22,6 +22,7 @@ SOURCES = [HERE / f for f in ("native.cpp", "decode_attention.cpp", "quant.cpp",
 HEADERS = [HERE / "native.h", HERE / "quant.h"]  # what the sources include
 ISA = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
        "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}  # torch's CPU capability -> compiler flags
+VNNI = ["-DLAB_VNNI"]  # with AVX512 on a CPU with AVX512-VNNI: Q4_1's integer products (engine/quant.cpp)
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 
@@ -29,7 +30,8 @@ _loaded = False
 def _flags() -> list[str]:
     from torch.utils import cpp_extension  # include and library folders of this torch
 
-    isa = ISA.get(torch.backends.cpu.get_cpu_capability(), [])
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = ISA.get(capability, []) + (VNNI if capability == "AVX512" and machine.cpu_info()[1]["avx512_vnni"] else [])
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     libs = cpp_extension.library_paths()
     return (["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", abi, *isa]
@@ -41,9 +43,10 @@ def compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _build() -> Path:
-    """The shared library for this source, torch and machine: compiled unless the cache has it."""
-    flags = _flags()
+def _build(flags: list[str] | None = None) -> Path:
+    """The shared library for this source, torch and machine (or these compiler `flags`): compiled unless the cache
+    has it."""
+    flags = _flags() if flags is None else flags
     code = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
     lib = machine.cache_dir() / "native" / f"lab_{key[:16]}.so"
@@ -80,7 +83,7 @@ def _register_fakes() -> None:
     fake("lab::q8_0_pack")(lambda blocks: blocks.new_empty(blocks.shape))
     fake("lab::q4_1_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
     fake("lab::q8_0_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
-    fake("lab::layer")(lambda x, *rest: x.new_empty(x.shape))
+    fake("lab::layers")(lambda x, *rest: x.new_empty(x.shape))
     fake("lab::bf16_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1], dtype=torch.bfloat16))
     fake("lab::bf16_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n))
     fake("lab::q8_0_rows")(lambda w, ids: w.new_empty(ids.shape[0], w.shape[1] // 34 * 32, dtype=torch.float32))

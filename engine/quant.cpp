@@ -3,6 +3,9 @@
 // holds one weight of 16 output rows and no sum ever crosses lanes. fp32 throughout: each block adds
 // d * sum(x * q) (+ m * sum(x)) to a row's sum, its codes' sum taken in one fixed order, so that a result row is the
 // same bits whatever the number of rows T beside it. Each thread reads its tiles once for all T rows of x.
+// Q4_1 on a CPU with AVX512-VNNI (built with LAB_VNNI): each block's x in fixed point (x * 2^e rounded to an integer,
+// e the block's own: |x * 2^e| < 2^30, so an error of at most 2^-31 of the block's largest |x|) held in 4 signed
+// bytes, the codes' sums exact in integers (byte dot products), then d * 2^-e * sum + m * sum(x) in fp32 as above.
 #include <cstring>
 
 #include "quant.h"
@@ -95,7 +98,7 @@ static at::Tensor pack(const at::Tensor& blocks) {
   at::Tensor out = at::empty(blocks.sizes(), blocks.options());
   const uint8_t* sp = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
+  parallel(0, (N + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t rows = std::min(TILE, N - i * TILE);
       const auto gguf = [&](int64_t b, int64_t off, int64_t, int64_t r) { return r * Kb * Q::B + b * Q::B + off; };
@@ -112,12 +115,31 @@ struct Operands {  // one product's: out [T, N] = x [T, K] W^T + bias + residual
   const float* x;     // [T, K] as the kernels read it, scaled for the format: rows t0 to t0 + R - 1 (t0 a multiple
                       // of RMAX, R = RMAX but for the last rows) from t0 * K on, weight k of row t0 + r at k * R + r
   const float* xsum;  // [T, K/32] each block's sum of x
+  const int8_t* xq;   // LAB_VNNI's Q4_1: [T, K/32, LIMBS, 32] each block's x * 2^e, byte l of each (l = 0 the lowest)
+  const float* xe;    // and [T, K/32] its 2^-e
   const float* bias;  // [N] or null
   const float* res;   // [T, N] rows rs floats apart, or null
   int64_t rs;
   float* out;  // [T, N] contiguous
   int64_t T, N, Kb;
 };
+
+// The sums of NT tiles (the first at columns 16 i) for rows t0 to t0 + R - 1, plus bias and residual, into out.
+template <int NT, int R>
+static inline void finish(const Operands& a, F (&acc)[NT][R], int64_t i, int64_t t0) {
+  float o[NT][R][TILE];
+  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) store(acc[t][r], o[t][r]);
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r) {
+      const int64_t n0 = (i + t) * TILE, row = t0 + r;
+      for (int64_t l = 0; l < std::min(TILE, a.N - n0); ++l) {
+        float v = o[t][r][l];
+        if (a.bias) v += a.bias[n0 + l];
+        if (a.res) v += a.res[row * a.rs + n0 + l];
+        a.out[row * a.N + n0 + l] = v;
+      }
+    }
+}
 
 // NT tiles (the first at w, its columns from 16 i on, the next `ts` bytes on) times rows t0 to t0 + R - 1 of x.
 template <class Q, int NT, int R>
@@ -134,21 +156,104 @@ static void tiles(const Operands& a, const uint8_t* w, int64_t ts, int64_t i, in
     UNROLL for (int r = 0; r < R; ++r) xsum[r] = a.xsum[(t0 + r) * a.Kb + b];
     Q::template block<NT, R>(p, a.x + (t0 * a.Kb + b * R) * QK, xsum, acc);
   }
-  float o[NT][R][TILE];
-  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) store(acc[t][r], o[t][r]);
-  for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < R; ++r) {
-      const int64_t n0 = (i + t) * TILE, row = t0 + r;
-      for (int64_t l = 0; l < std::min(TILE, a.N - n0); ++l) {
-        float v = o[t][r][l];
-        if (a.bias) v += a.bias[n0 + l];
-        if (a.res) v += a.res[row * a.rs + n0 + l];
-        a.out[row * a.N + n0 + l] = v;
-      }
-    }
+  finish<NT, R>(a, acc, i, t0);
 }
 
 using Kernel = void (*)(const Operands&, const uint8_t*, int64_t, int64_t, int64_t);
+
+constexpr int LIMBS = 4;  // LAB_VNNI's Q4_1: signed bytes of a weight's x in fixed point
+constexpr int RI = 4;     // and rows of x in one integer kernel at most (its sums fill the registers)
+
+#if defined(LAB_VNNI)
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// Block xb (32 floats) of x -> its LIMBS x 32 bytes (x * 2^e rounded to the nearest integer X, |X| < 2^30, as
+// X = b0 + 2^8 b1 + 2^16 b2 + 2^24 b3, each b a signed byte) at q; returns 2^-e, NaN where x is not finite. e is at
+// most 126 (2^-e stays a normal float): a block whose largest |x| is below 2^-96 keeps fewer bits.
+VNNI_TARGET static float fixed_point(const float* xb, int8_t* q) {
+  const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+  if (!std::isfinite(mx)) {
+    std::memset(q, 0, LIMBS * QK);
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  int E;
+  std::frexp(mx, &E);  // mx < 2^E
+  const int e = std::min(30 - E, 126);
+  for (int h = 0; h < 2; ++h) {
+    __m512i X = _mm512_cvtps_epi32(_mm512_scalef_ps(v[h], _mm512_set1_ps(e)));  // nearest, ties to even
+    for (int l = 0; l < LIMBS; ++l) {
+      const __m512i b = l + 1 < LIMBS ? _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24) : X;  // low byte, signed
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * QK + 16 * h), _mm512_cvtepi32_epi8(b));
+      X = _mm512_srai_epi32(_mm512_sub_epi32(X, b), 8);
+    }
+  }
+  return std::ldexp(1.f, -e);
+}
+
+// Q4_1's NT tiles times rows t0 to t0 + R - 1 of x in fixed point: a block's codes (bytes 0-15) times each byte of
+// x, 4 products a lane at a time (VNNI), summed exactly in int32 per byte of x (at most 32 * 15 * 128 each), then
+// the 4 sums joined in fp32 (2^8-apart pairs exact in int32 first) and d * 2^-e * sum + m * sum(x) added to the row.
+template <int NT, int R>
+VNNI_TARGET static void int_tiles(const Operands& a, const uint8_t* w, int64_t ts, int64_t i, int64_t t0) {
+  F acc[NT][R];
+  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) acc[t][r] = zero();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* p[NT];
+  for (int64_t b = 0; b < a.Kb; ++b) {
+    UNROLL for (int t = 0; t < NT; ++t) {
+      p[t] = w + t * ts + b * TILE * Q4_1::B;
+      for (int64_t l = 0; l < TILE * Q4_1::B; l += 64) __builtin_prefetch(p[t] + NT * ts + l, 0, 2);
+    }
+    __m512i s[NT][R][LIMBS];
+    UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) UNROLL for (int l = 0; l < LIMBS; ++l)
+      s[t][r][l] = _mm512_setzero_si512();
+    UNROLL for (int j = 0; j < 4; ++j) {  // code bytes 4j to 4j + 3 of each row: weights 4j.. (low), 16 + 4j.. (high)
+      __m512i lo[NT], hi[NT];
+      UNROLL for (int t = 0; t < NT; ++t) {
+        const __m512i c = _mm512_loadu_si512(p[t] + in_tile(TILE, 4 + 4 * j, 4, 0));
+        lo[t] = _mm512_and_si512(c, low);
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+      }
+      UNROLL for (int r = 0; r < R; ++r) UNROLL for (int l = 0; l < LIMBS; ++l) {
+        const int8_t* xl = a.xq + ((t0 + r) * a.Kb + b) * LIMBS * QK + l * QK;
+        int32_t xlo, xhi;
+        std::memcpy(&xlo, xl + 4 * j, 4);
+        std::memcpy(&xhi, xl + 16 + 4 * j, 4);
+        const __m512i bl = _mm512_set1_epi32(xlo), bh = _mm512_set1_epi32(xhi);
+        UNROLL for (int t = 0; t < NT; ++t)
+          s[t][r][l] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[t][r][l], lo[t], bl), hi[t], bh);
+      }
+    }
+    UNROLL for (int t = 0; t < NT; ++t) {
+      const F d = halves(p[t]), m = halves(p[t] + in_tile(TILE, 2, 2, 0));
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m512i s01 = _mm512_add_epi32(s[t][r][0], _mm512_slli_epi32(s[t][r][1], 8));
+        const __m512i s23 = _mm512_add_epi32(s[t][r][2], _mm512_slli_epi32(s[t][r][3], 8));
+        const F sum = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_set1_ps(0x1p16f), _mm512_cvtepi32_ps(s01))};
+        const int64_t xb = (t0 + r) * a.Kb + b;
+        acc[t][r] = fma(a.xsum[xb], m, fma(mul(d, a.xe[xb]), sum, acc[t][r]));
+      }
+    }
+  }
+  finish<NT, R>(a, acc, i, t0);
+}
+
+template <int R = RI>
+static Kernel int_kernel_for(int r, bool wide) {
+  if constexpr (R > 1)
+    if (r < R) return int_kernel_for<R - 1>(r, wide);
+  return wide ? int_tiles<std::max(1, ACC / R), R> : int_tiles<1, R>;
+}
+
+// Whether Q4_1 runs the integer kernels: built for them and on a CPU with AVX512-VNNI.
+static bool fixed_point_q4() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+#else
+static bool fixed_point_q4() { return false; }
+#endif
 
 // The kernel for r rows of x: as many tiles as ACC allows (wide) or one.
 template <class Q, int R = RMAX>
@@ -176,25 +281,40 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == N,
                 "linear: residual [T, N] is needed");
   }
-  at::Tensor out = at::empty({T, N}, x.options()), xsum = at::empty({T, Kb}, x.options()),
-             xk = at::empty({T, K}, x.options());
+  const bool ints = std::is_same_v<Q, Q4_1> && fixed_point_q4();
+  const int rmax = ints ? RI : RMAX;  // rows of x per kernel at most
+  at::Tensor out = at::empty({T, N}, x.options()), xs = at::empty({2, T, Kb}, x.options()),
+             xk = at::empty({ints ? T * Kb * LIMBS * QK / 4 : T * K}, x.options());  // floats, or the bytes of ints
   const float* xp = x.data_ptr<float>();
-  float *sp = xsum.data_ptr<float>(), *kp = xk.data_ptr<float>();
-  at::parallel_for(0, T * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
+  float *sp = xs.data_ptr<float>(), *ep = sp + T * Kb, *kp = xk.data_ptr<float>();
+  int8_t* qp = reinterpret_cast<int8_t*>(kp);
+  parallel(0, T * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block b of row t
       const int64_t t = i / Kb, b = i % Kb, t0 = t / RMAX * RMAX, rows = std::min<int64_t>(RMAX, T - t0);
       const float* xb = xp + t * x.stride(0) + b * QK;
       sp[i] = at::vec::reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, xb, QK);
+#if defined(LAB_VNNI)
+      if (ints) {
+        ep[i] = fixed_point(xb, qp + i * LIMBS * QK);
+        continue;
+      }
+#endif
       for (int64_t k = 0; k < QK; ++k) kp[t0 * K + (b * QK + k) * rows + t - t0] = xb[k] * Q::scale(k);
     }
   });
-  const Operands a{kp, sp, bias ? bias->data_ptr<float>() : nullptr,
+  const Operands a{kp, sp, qp, ep, bias ? bias->data_ptr<float>() : nullptr,
                    residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0,
                    out.data_ptr<float>(), T, N, Kb};
+  const auto kernel = [&](int r, bool wide) {
+#if defined(LAB_VNNI)
+    if (ints) return int_kernel_for(r, wide);
+#endif
+    return kernel_for<Q>(r, wide);
+  };
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t full = N / TILE, rest = N % TILE;  // whole tiles; rows of the last one, if partial
-  at::parallel_for(0, (N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / (TILE * K * std::max<int64_t>(1, T))),
-                   [&](int64_t begin, int64_t end) {
+  parallel(0, (N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / (TILE * K * std::max<int64_t>(1, T))),
+           [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> last;  // the partial tile widened to 16 rows (zeros)
     if (end > full) {
       last.assign(ts, 0);
@@ -207,14 +327,14 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
       relayout<Q>(rest, Kb, wp + full * ts, last.data(), packed, wide);
     }
     for (int64_t g = begin; g < end; g += ACC)  // ACC tiles at a time, kept in cache over all rows of x
-      for (int64_t t = 0; t < T; t += RMAX) {
-        const int r = std::min<int64_t>(RMAX, T - t), nt = std::max(1, ACC / r);
+      for (int64_t t = 0; t < T; t += rmax) {
+        const int r = std::min<int64_t>(rmax, T - t), nt = std::max(1, ACC / r);
         for (int64_t i = g; i < std::min(end, g + ACC);) {
           if (i + nt <= std::min({end, g + ACC, full})) {
-            kernel_for<Q>(r, true)(a, wp + i * ts, ts, i, t);
+            kernel(r, true)(a, wp + i * ts, ts, i, t);
             i += nt;
           } else {
-            kernel_for<Q>(r, false)(a, i < full ? wp + i * ts : last.data(), ts, i, t);
+            kernel(r, false)(a, i < full ? wp + i * ts : last.data(), ts, i, t);
             ++i;
           }
         }
@@ -234,7 +354,7 @@ at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
   at::Tensor out = at::empty({n, Kb * QK}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
+  parallel(0, n * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block i % Kb of row ids[i / Kb]
       const int64_t row = ip[i / Kb], b = i % Kb, rows = std::min(TILE, N - row / TILE * TILE), r = row % TILE;
       const uint8_t* p = wp + row / TILE * TILE * Kb * Q8_0::B + b * rows * Q8_0::B;
@@ -246,10 +366,22 @@ at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
   return out;
 }
 
+using Opt = std::optional<at::Tensor>;
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  return linear<Q4_1>(x, w, bias, residual);
+}
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  return linear<Q8_0>(x, w, bias, residual);
+}
+
 TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("q4_1_pack", pack<Q4_1>);
   m.impl("q8_0_pack", pack<Q8_0>);
-  m.impl("q4_1_linear", linear<Q4_1>);
-  m.impl("q8_0_linear", linear<Q8_0>);
+  m.impl("q4_1_linear", q4_1_linear);
+  m.impl("q8_0_linear", q8_0_linear);
   m.impl("q8_0_rows", q8_0_rows);
+}
+
+TORCH_LIBRARY_FRAGMENT(lab, m) {
+  m.def("q4_1_fixed_point() -> bool", []() { return fixed_point_q4(); });  // Q4_1's products in fixed point here
 }

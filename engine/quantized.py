@@ -1,7 +1,8 @@
 """Weights held below fp32, each a drop-in for kernels.Dense (y = x W^T (+ bias) (+ residual), fp32 in and out):
 
 GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the fused kernels (engine/quant.cpp), which
-  dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32.
+  dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32; on a CPU with AVX512-VNNI
+  Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32 (`arithmetic`).
 Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/bf16.cpp on AVX512-BF16).
 
 gguf_layers reads a llama-family GGUF file's linear weights as stored, rows in Hugging Face's order (q and k rows
@@ -35,6 +36,13 @@ class GgufDense:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self._linear(x, self.packed, self.bias, residual)
 
+    @property
+    def arithmetic(self) -> str:
+        """How this product computes on this machine."""
+        if self.fmt == "q4_1" and self.ops.q4_1_fixed_point():
+            return "q4_1: x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
+        return f"{self.fmt}: fp32"
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (an embedding lookup), fp32."""
         return self.ops.q8_0_rows(self.packed, ids)
@@ -50,7 +58,7 @@ class Bf16Dense:
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
         self.dtype, self.device = torch.float32, w_out_in.device
         self.bias = None if bias is None else bias.detach().float()
-        self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layer reads them from this tensor
+        self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
         self.w = ops.bf16_pack(w_out_in.detach()) if self.native else w_out_in.detach().to(torch.bfloat16)
 
     @property
@@ -60,6 +68,10 @@ class Bf16Dense:
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w, self.bias) if t is not None]
+
+    @property
+    def arithmetic(self) -> str:
+        return "bf16: pairs summed in fp32 (AVX512-BF16)" if self.native else "bf16: torch's product, rounded to bf16"
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.native:

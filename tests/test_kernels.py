@@ -123,8 +123,8 @@ def test_real_model_every_choice(real_references, kind, monkeypatch):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_step_split_finds_each_kind_of_operator(tiny, fused):
-    """probe_hardware's split of a decode step, on the fused kernels (one call per layer, its products counted apart)
-    and on ATen's operators (matrix products, decode attention, norms and KV writes each measured, non-zero); the
+    """probe_hardware's split of a decode step, on the fused kernels (every layer in one call, its products counted
+    apart) and on ATen's operators (matrix products, decode attention, norms and KV writes each measured, non-zero); the
     parts with the time outside operators make up the profiled step; the net keeps its kernels afterwards."""
     from pipeline.measuring.hardware import PARTS, step_split
 
@@ -134,10 +134,10 @@ def test_step_split_finds_each_kind_of_operator(tiny, fused):
     assert net.fused is ops
     assert split["kernels"] == ("fused" if fused and ops is not None else "ATen")
     parts = split["parts"]
-    layered = parts["rest of the layer call"] > 0
+    layered = parts["rest of the layers call"] > 0
     assert layered == (fused and ops is not None)
-    assert list(parts) == [*PARTS, "other operators", "rest of the layer call", "outside operators"]
-    assert all(parts[k] > 0 for k in (["matrix products", "rest of the layer call"] if layered else PARTS))
+    assert list(parts) == [*PARTS, "other operators", "rest of the layers call", "outside operators"]
+    assert all(parts[k] > 0 for k in (["matrix products", "rest of the layers call"] if layered else PARTS))
     ops = sum(v for k, v in parts.items() if k != "outside operators")
     assert ops + parts["outside operators"] == pytest.approx(max(split["profiled_ms"], ops))
     assert split["step_ms"] > 0

@@ -1,6 +1,7 @@
 """The Q4_1 and Q8_0 kernels (engine/quant.cpp): on synthetic GGUF blocks with known codes, scales and minima, and
 on the real model's weights, each op equals gguf's dequantization times x to fp32 rounding, whatever the shapes, tails
-and number of rows; a row's result does not depend on the rows beside it; the AVX2 and the scalar builds agree."""
+and number of rows; a row's result does not depend on the rows beside it; the builds for each instruction set (Q4_1
+in fixed point with AVX512-VNNI, in fp32 without it, on AVX2, scalar) agree."""
 import importlib.util
 import os
 import subprocess
@@ -109,6 +110,26 @@ def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k):
         assert torch.equal(linear(x[i:i + 3], w, None, None), together[i:i + 3])
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_activations_of_any_magnitude(kind):
+    """Rows of zeros, of tiny or huge values, and of values 40 orders of magnitude apart in one block, to fp32
+    rounding; a row holding inf or NaN comes out not finite."""
+    raw = blocks(kind, np.random.default_rng(6), 37, 96)
+    w, wd = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)), dequantized(kind, raw).double()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 96, generator=g)
+    x[0] = 0
+    x[1] *= 1e-20
+    x[2] *= 1e30
+    x[3, ::2] *= 1e-20  # every block: halves 1e20 apart
+    x[3, 1::2] *= 1e20
+    x[4, 40], x[5, 7] = float("inf"), float("nan")
+    y = getattr(lab, f"{kind}_linear")(x, w, None, None)
+    assert torch.equal(y[0], torch.zeros(37))
+    assert_product(y[1:4], x[1:4].double(), wd)
+    assert not y[4:].isfinite().any()
+
+
 def test_q8_0_rows_are_gguf_rows():
     raw = q8_0_blocks(np.random.default_rng(3), 37, 96)[0]
     ids = torch.tensor([0, 36, 17, 16, 15, 32, 5, 5])  # first, last (of the partial tile), tile edges, repeated
@@ -157,14 +178,14 @@ def test_the_real_model_weights():
 
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get(OTHER_BUILD)), reason="already testing another build")
-@pytest.mark.parametrize("isa", ["AVX2", "scalar"])
-def test_other_instruction_sets(isa, tmp_path):
-    """The library built with the AVX2 flags, or with none (the scalar path), passes this file's other tests."""
-    flags = [f for f in native._flags() if f not in sum(native.ISA.values(), [])] + native.ISA.get(isa, [])
-    lib = tmp_path / f"lab_{isa}.so"
-    built = subprocess.run([native.compiler(), *map(str, native.SOURCES), "-o", str(lib), *flags],
-                           capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-2000:]
+@pytest.mark.parametrize("isa", ["AVX512", "AVX2", "scalar"])
+def test_other_instruction_sets(isa):
+    """The library built with the AVX-512 flags but no VNNI (Q4_1 in fp32 on AVX-512), with the AVX2 flags, or with
+    none (the scalar path), passes this file's other tests."""
+    if isa == "AVX512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("this CPU runs no AVX-512")
+    flags = [f for f in native._flags() if f not in sum(native.ISA.values(), native.VNNI)] + native.ISA.get(isa, [])
+    lib = native._build(flags)  # kept in the cache beside the engine's own build
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                          env={**os.environ, OTHER_BUILD: str(lib)}, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-3000:]

@@ -25,7 +25,7 @@ PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::l
          "RMS norms": ("aten::rms_norm", "lab::rms_norm"),
          "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; else "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
-LAYER = "lab::layer"  # a whole decoder layer in one call: norms, rotary, KV writes and attention inside it
+LAYER = "lab::layers"  # every decoder layer in one call: norms, rotary, KV writes and attention inside it
 
 
 def bandwidth_gbs(device: str) -> float:
@@ -66,11 +66,11 @@ def _split(net: FlatModel, batch: int, steps: int) -> dict:
         for _ in range(steps):
             eng.step()
         profiled = (time.perf_counter() - t) / steps * 1e3
-    parts = dict.fromkeys([*PARTS, "other operators", "rest of the layer call"], 0.0)
+    parts = dict.fromkeys([*PARTS, "other operators", "rest of the layers call"], 0.0)
     for e in prof.events():
         parent = e.cpu_parent.name if e.cpu_parent is not None else None
-        if e.name == LAYER:  # one call per layer: its own work, its products counted below
-            parts["rest of the layer call"] += e.self_cpu_time_total / 1e3 / steps
+        if e.name == LAYER:  # one call a step: its own work, its products counted below
+            parts["rest of the layers call"] += e.self_cpu_time_total / 1e3 / steps
         elif (parent is None or parent == LAYER) and e.name.split("::")[0] in NAMESPACES:
             part = next((k for k, names in PARTS.items() if e.name in names), "other operators")
             parts[part] += e.cpu_time_total / 1e3 / steps

@@ -112,10 +112,10 @@ def engine_run(net: FlatModel, prompts, new_tokens: int, compile: bool = False, 
 def engine_case(net: FlatModel, prompts, n: int, reps: int, compile: bool = False, graphs: bool = False,
                 paged: bool = True) -> dict:
     """The engine's figures for B prompts of exactly n new tokens: the fastest of `reps` runs on the slot cache
-    (each followed by as many steps of the matrix products alone: floor_tps), and (`paged`) of `reps` on a paged
-    pool."""
+    (each followed by as many steps of the matrix products alone, once more before the first: floor_tps, the
+    fastest), and (`paged`) of `reps` on a paged pool."""
     B, tokens = len(prompts), len(prompts) * n
-    eng, floor = [], []
+    eng, floor = [], [step_floor_ms(net, B, steps=n - 1, repeats=1, warm=False)]
     for _ in range(reps):
         eng.append(engine_run(net, prompts, n, compile, graphs=graphs))
         floor.append(step_floor_ms(net, B, steps=n - 1, repeats=1, warm=False))
@@ -128,7 +128,7 @@ def engine_case(net: FlatModel, prompts, n: int, reps: int, compile: bool = Fals
 
            "floor_tps": B / min(floor) * 1e3,  # the matrix products alone, sustained over a decode's steps
            "engine_peak_mb": max(r["peak_mb"] for r in eng),  # host RSS of the process on a CPU, device on a GPU
-           "engine_weight_bytes": best["weights"], "kv_cache_bytes": best["kv"],
+           "engine_weight_bytes": best["weights"], "kv_cache_bytes": best["kv"], "arithmetic": net.arithmetic,
            "kv_bytes_expected": B * best["max_request_tokens"] * best["kv_per_token"], "compile": compile}
     if paged:  # the same engine on a paged pool of the slot cache's size
         row["paged_decode_tps"] = B * (n - 1) / (paged["total"] - paged["prefill"])
@@ -156,13 +156,13 @@ def check_case(row: dict) -> None:
                                    "whole request")
 
 
-def engine_speed(levels: dict, tokenizer, bench, limits, floors: dict | None = None) -> list[dict]:
+def engine_speed(levels: dict, tokenizer, bench, limits, bandwidth_gbs: float | None = None) -> list[dict]:
     """Every case of bench.engine_speed (a conf/bench section) at every level after one unreported warm-up, each
     measured again while disturbed (limits: the config's `measure`). levels: name -> (the engine's FlatModel, the
     Hugging Face model it is compared against, the level's conf/precision entry); generate runs once per case for
-    each distinct model. Each row's decode rate is set against the floor for its batch (floor_tps: sustained
-    after each engine run; burst_floor_tps: the best single step before and after) and, for a level in `floors`
-    (level -> batch -> tok/s, the probe's), against the probe's floor (probe_fraction)."""
+    each distinct model. Each row's decode rate is set against the floor for its batch (floor_tps: its matrix
+    products alone, sustained after each engine run) and, given the probe's read bandwidth, against the bytes
+    floor (bytes_floor_tps: every weight byte read once a step at that bandwidth, the bound of small batches)."""
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     flags = {name: (bool(bench.compile or pc.compile), bool(pc.graphs)) for name, (_, _, pc) in levels.items()}
     vocab = next(iter(levels.values()))[1].config.vocab_size
@@ -178,12 +178,8 @@ def engine_speed(levels: dict, tokenizer, bench, limits, floors: dict | None = N
         prompts = prompts_for(case["prompt"], B, tokenizer, vocab)
         hf = {}
         for level, (net, model, _) in levels.items():
-            def one():
-                before = step_floor_ms(net, B)
-                row = engine_case(net, prompts, n, reps, *flags[level], paged=level == first)
-                return {**row, "burst_floor_tps": B / min(before, step_floor_ms(net, B)) * 1e3}
-
-            row, watch = measured(one, limits, f"engine_speed {level} B={B}", check=check_case)
+            row, watch = measured(lambda: engine_case(net, prompts, n, reps, *flags[level], paged=level == first),
+                                  limits, f"engine_speed {level} B={B}", check=check_case)
             if id(model) not in hf:
                 hf[id(model)] = measured(lambda: {"batch": B, "new_tokens": n, **hf_case(model, prompts, n, reps,
                                                                                         pad_id)},
@@ -193,8 +189,9 @@ def engine_speed(levels: dict, tokenizer, bench, limits, floors: dict | None = N
                    **watch.fields(), "hf_disturbed": ref_watch.disturbed, "hf_dtype": str(model.dtype)}
             row["ratio"] = row["engine_tps"] / row["hf_tps"]
             row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
-            if floors and level in floors and B in floors[level]:
-                row["probe_fraction"] = row["engine_decode_tps"] / floors[level][B]
+            if bandwidth_gbs:
+                row["bytes_floor_tps"] = B * bandwidth_gbs * 1e9 / net.step_bytes
+                row["bytes_fraction"] = row["engine_decode_tps"] / row["bytes_floor_tps"]
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return rows

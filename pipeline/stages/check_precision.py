@@ -43,7 +43,7 @@ if __name__ == "__main__":
         for name, net in levels.items():
             level = {**figures[name], **accuracy.greedy_agreement(fp32_out, accuracy.greedy(net, prompts,
                                                                                           int(p.greedy_tokens)))}
-            level["lossless"] = accuracy.lossless(level, floor)
+            level["lossless"], level["arithmetic"] = accuracy.lossless(level, floor), net.arithmetic
             out["levels"][name] = level
             print(name, {k: v for k, v in level.items() if k != "first_divergences"}, flush=True)
         write_json(ROOT / "reports" / "precision.json", out)

@@ -35,10 +35,8 @@ if __name__ == "__main__":
                 continue
             levels[name] = (net, models[pc.get("reference_dtype", pc.dtype), pc.device], pc)
         probe = ROOT / "reports" / "hardware.json"
-        floors = {cfg.precision.name: {f["batch"]: f["tok_s_ceiling"]
-                                       for f in json.loads(probe.read_text())["floors"]}} \
-            if probe.exists() else None
+        bandwidth = json.loads(probe.read_text())["bandwidth_gbs"] if probe.exists() else None
         rows = [{**r, "model": cfg.model.name}
-                for r in engine_speed(levels, tokenizer, cfg.bench.engine_speed, cfg.measure, floors)]
+                for r in engine_speed(levels, tokenizer, cfg.bench.engine_speed, cfg.measure, bandwidth)]
         write_json(ROOT / "reports" / "engine_speed.json",
                    {"machine": environment(cfg.threads, cfg.precision.device), "rows": rows, "skipped": skipped})

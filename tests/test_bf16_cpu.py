@@ -1,0 +1,45 @@
+"""precision=bf16's CPU product (engine/bf16.cpp, where the CPU has AVX512-BF16): x rounded to bf16 (nearest even),
+times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of each sum, whatever the
+shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does not depend on the rows
+beside it."""
+import pytest
+import torch
+
+from engine import native
+
+lab = native.ops()
+pytestmark = pytest.mark.skipif(lab is None or not lab.bf16_native(), reason="no fused kernels or no AVX512-BF16 here")
+
+
+def reference(x, w, bias=None, residual=None):
+    """(x and w rounded to bf16, then x @ w.T + bias + residual in float64, and the sum of the terms' magnitudes)."""
+    xb, wb = x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()
+    want, scale = xb @ wb.T, xb.abs() @ wb.abs().T
+    for extra in (bias, residual):
+        if extra is not None:
+            want, scale = want + extra.double(), scale + extra.double().abs()
+    return want, scale
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (20, 64), (37, 576), (130, 1536), (5, 2)])
+def test_bf16_linear_equals_the_rounded_product(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    packed = lab.bf16_pack(w)
+    for t in (1, 2, 5, 6, 7, 64):
+        x = torch.randn(t, k + 16, generator=g)[:, 8:k + 8]  # rows strided
+        bias, residual = torch.randn(n, generator=g), torch.randn(t, 2 * n, generator=g)[:, :n]
+        for args in ((None, None), (bias, residual)):
+            y = lab.bf16_linear(x, packed, n, *args)
+            want, scale = reference(x, w, *args)
+            assert y.dtype == torch.float32 and y.shape == (t, n)
+            assert ((y.double() - want).abs() / (scale + 1e-30)).max().item() < 2e-6
+
+
+def test_a_row_is_the_same_bits_alone_or_among_others():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(100, 576, generator=g), torch.randn(64, 576, generator=g)
+    packed = lab.bf16_pack(w)
+    together = lab.bf16_linear(x, packed, 100, None, None)
+    for i in (0, 5, 63):
+        assert torch.equal(lab.bf16_linear(x[i:i + 1], packed, 100, None, None), together[i:i + 1])
