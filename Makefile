@@ -29,6 +29,6 @@ gpu-check: setup
 	python -m pipeline.tools.machine_reports $(GPU_EXP)
 
 # llama.cpp's server beside the engine server on the same model (builds llama-server from source once: minutes);
-# ARGS: Hydra overrides for the lab's side, e.g. make peer ARGS=precision=w4
+# ARGS: Hydra overrides for the lab's side, e.g. make peer ARGS=precision=w4 or ARGS='bench.peer.lab_levels=[w4,bf16]'
 peer: setup
 	python -m pipeline.tools.peer $(ARGS)

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 from omegaconf import OmegaConf
 
-from engine.config import ROOT
+from engine.config import ROOT, compose_config
 from engine.loader import gguf_path
 from engine.machine import cpu_units, environment
 from pipeline.measuring.disturbance import server_pids
@@ -99,8 +99,8 @@ def render(rows: list[dict], settings: dict, env: dict, prec: dict | None) -> st
              f"- llama.cpp: `llama-server` built from llama-cpp-python {settings['llama_cpp']}'s vendored source with "
              f"`{' '.join(settings['cmake'])}`; it serves `{settings['gguf']}` (4-bit Q4_1 layers, Q8_0 head) with "
              f"its own arithmetic (8-bit activations); command: `{settings['command']}`",
-             f"- lab: the engine server, continuous batching, {settings['seats']} requests at once, precision "
-             f"`{settings['precision']}` ({accuracy_of(prec, settings['precision'])})", "",
+             f"- lab: the engine server, continuous batching, {settings['seats']} requests at once, at "
+             + ", ".join(f"`{name}` ({accuracy_of(prec, name)})" for name in settings["precision"]), "",
              "| backend | precision | c | ok | TTFT p50, s | TTFT p99, s | tok/s | per-stream tok/s | "
              "errors | disturbed |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -108,9 +108,9 @@ def render(rows: list[dict], settings: dict, env: dict, prec: dict | None) -> st
         lines.append(f"| {r['backend']} | {r['precision']} | {r['concurrency']} | {r['complete']}/{r['requests']} | "
                      f"{fmt(r['ttft_p50_s'])} | {fmt(r['ttft_p99_s'])} | {fmt(r['throughput_tps'], 1)} | "
                      f"{fmt(r['per_stream_tps'], 1)} | {r['errors']} | {'yes' if r.get('disturbed') else 'no'} |")
-    lines += ["", "| c | lab / llama.cpp throughput |", "|---|---|"]
-    for c, ratio in settings["ratios"].items():
-        lines.append(f"| {c} | {fmt(ratio)} |")
+    lines += ["", "| lab precision | c | lab / llama.cpp throughput |", "|---|---|---|"]
+    for name, ratios in settings["ratios"].items():
+        lines += [f"| {name} | {c} | {fmt(ratio)} |" for c, ratio in ratios.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -130,18 +130,23 @@ def main(cfg) -> dict:
     rows = [{**r, "precision": "Q4_1 (llama.cpp)"} for r in rows]
     run = OmegaConf.create({"name": "engine-continuous", "server": "engine", "policy": "continuous",
                             "max_running": int(p.slots)})
-    port = free_port()
-    proc = start(cfg, run, port, int(p.ctx_per_slot))
-    try:
-        lab, _ = measure(f"http://127.0.0.1:{port}/v1", cfg.model.name, run.name, list(p.levels), int(p.n),
-                         int(p.max_tokens), float(p.timeout_s), slo, cfg.seed, warm, cfg.measure, server_pids(proc))
-    finally:
-        stop(proc)
-    rows += [{**r, "precision": cfg.precision.name} for r in lab]
-    by = {(r["backend"], r["concurrency"]): r["throughput_tps"] for r in rows}
+    names = list(p.get("lab_levels") or [cfg.precision.name])
+    for name in names:
+        level = OmegaConf.create(OmegaConf.to_container(cfg))  # the run's config with this level's precision
+        level.precision = compose_config([f"model={cfg.model.name}", f"precision={name}"]).precision
+        port = free_port()
+        proc = start(level, run, port, int(p.ctx_per_slot))
+        try:
+            lab, _ = measure(f"http://127.0.0.1:{port}/v1", cfg.model.name, run.name, list(p.levels), int(p.n),
+                             int(p.max_tokens), float(p.timeout_s), slo, cfg.seed, warm, cfg.measure,
+                             server_pids(proc))
+        finally:
+            stop(proc)
+        rows += [{**r, "precision": name} for r in lab]
+    by = {(r["precision"], r["concurrency"]): r["throughput_tps"] for r in rows}
     settings = {**OmegaConf.to_container(p), "command": shown(command, gguf), "cmake": cmake, "gguf": gguf.name,
-                "seats": int(p.slots), "precision": cfg.precision.name,
-                "ratios": {c: by[("engine-continuous", c)] / by[("llama.cpp", c)] for c in p.levels}}
+                "seats": int(p.slots), "precision": names,
+                "ratios": {name: {c: by[(name, c)] / by[("Q4_1 (llama.cpp)", c)] for c in p.levels} for name in names}}
     env = environment(cfg.threads, cfg.precision.device)
     prec_path = ROOT / "reports" / "precision.json"
     prec = json.loads(prec_path.read_text()) if prec_path.exists() else None
