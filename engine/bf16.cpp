@@ -113,12 +113,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat, "bias [n]");
   if (residual) check(*residual, "residual");
   const at::Tensor xb = at::empty({T, K}, x.options().dtype(at::kBFloat16));
-  auto* xq = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  auto* xp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  const float* xf = x.data_ptr<float>();
   parallel(0, T, std::max<int64_t>(1, GRAIN / K), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) to_bf16(x.data_ptr<float>() + t * x.stride(0), xq + t * K, K);
+    for (int64_t t = begin; t < end; ++t) to_bf16(xf + t * x.stride(0), xp + t * K, K);
   });
   at::Tensor out = at::empty({T, n}, x.options());
-  const uint16_t* xp = xq;
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;

@@ -145,7 +145,7 @@ class FlatModel:
 
     def _choose_kernels(self, kernel: str | None, remeasure: bool) -> dict:
         groups = {}
-        for d in [self.lm_head, *(d for layer in self.layers for d in (layer[1], layer[2], layer[4], layer[5]))]:
+        for d in self.products:
             groups.setdefault(tuple(d.shape), []).append(d)
         dev, dtype = self.device, self.dtype
         if kernel is not None:
@@ -162,15 +162,19 @@ class FlatModel:
         return chosen
 
     @property
+    def products(self) -> list:
+        """Every matrix product of a step: the LM head, then each layer's qkv, o, gate/up and down."""
+        return [self.lm_head, *(d for l in self.layers for d in (l[1], l[2], l[4], l[5]))]
+
+    @property
     def step_bytes(self) -> int:
         """Bytes of weights one step reads: every product's weight once, in the layout it multiplies."""
-        return sum(d.weight_bytes for d in [self.lm_head, *(d for l in self.layers for d in (l[1], l[2], l[4], l[5]))])
+        return sum(d.weight_bytes for d in self.products)
 
     @property
     def arithmetic(self) -> list[str]:
         """How the products compute on this machine: GGUF and bf16 weights say so; fp32 is fp32 (kernels)."""
-        mats = [self.lm_head, *(d for l in self.layers for d in (l[1], l[2], l[4], l[5]))]
-        return sorted({getattr(d, "arithmetic", "fp32") for d in mats})
+        return sorted({getattr(d, "arithmetic", "fp32") for d in self.products})
 
     @property
     def nbytes(self) -> int:

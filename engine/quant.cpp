@@ -290,7 +290,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
   int8_t* qp = reinterpret_cast<int8_t*>(kp);
   parallel(0, T * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block b of row t
-      const int64_t t = i / Kb, b = i % Kb, t0 = t / RMAX * RMAX, rows = std::min<int64_t>(RMAX, T - t0);
+      const int64_t t = i / Kb, b = i % Kb;
       const float* xb = xp + t * x.stride(0) + b * QK;
       sp[i] = at::vec::reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, xb, QK);
 #if defined(LAB_VNNI)
@@ -299,6 +299,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
         continue;
       }
 #endif
+      const int64_t t0 = t / RMAX * RMAX, rows = std::min<int64_t>(RMAX, T - t0);
       for (int64_t k = 0; k < QK; ++k) kp[t0 * K + (b * QK + k) * rows + t - t0] = xb[k] * Q::scale(k);
     }
   });

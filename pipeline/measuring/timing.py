@@ -41,7 +41,7 @@ def step_floor_ms(net: FlatModel, batch: int, steps: int = 1, repeats: int = 3, 
     """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms per
     step: `steps` such steps back to back (a sustained rate, timed like an engine run's decode steps), the fastest
     of `repeats` (after one warm-up unless not `warm`)."""
-    mats = [w for layer in net.layers for w in (layer[1], layer[2], layer[4], layer[5])] + [net.lm_head]
+    mats = net.products
     x = {m.shape[0]: torch.randn(batch, m.shape[0], dtype=m.dtype, device=m.device) for m in mats}
 
     def run():

@@ -28,6 +28,7 @@ from pipeline.reporting.tables import accuracy_of, fmt
 from pipeline.results import write_json, write_text
 
 PEERS = ROOT / "data" / "peers"
+LLAMA = "Q4_1 (llama.cpp)"  # the peer's rows: its precision, in its own arithmetic
 CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]  # no web UI download
 UNITS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c", "GGML_AVX512": "avx512f",
@@ -127,10 +128,10 @@ def main(cfg) -> dict:
                           int(p.max_tokens), float(p.timeout_s), slo, cfg.seed, warm, cfg.measure, server_pids(proc))
     finally:
         stop(proc)
-    rows = [{**r, "precision": "Q4_1 (llama.cpp)"} for r in rows]
+    rows = [{**r, "precision": LLAMA} for r in rows]
     run = OmegaConf.create({"name": "engine-continuous", "server": "engine", "policy": "continuous",
                             "max_running": int(p.slots)})
-    names = list(p.get("lab_levels") or [cfg.precision.name])
+    names = list(p.lab_levels or [cfg.precision.name])
     for name in names:
         level = OmegaConf.create(OmegaConf.to_container(cfg))  # the run's config with this level's precision
         level.precision = compose_config([f"model={cfg.model.name}", f"precision={name}"]).precision
@@ -146,7 +147,7 @@ def main(cfg) -> dict:
     by = {(r["precision"], r["concurrency"]): r["throughput_tps"] for r in rows}
     settings = {**OmegaConf.to_container(p), "command": shown(command, gguf), "cmake": cmake, "gguf": gguf.name,
                 "seats": int(p.slots), "precision": names,
-                "ratios": {name: {c: by[(name, c)] / by[("Q4_1 (llama.cpp)", c)] for c in p.levels} for name in names}}
+                "ratios": {name: {c: by[(name, c)] / by[(LLAMA, c)] for c in p.levels} for name in names}}
     env = environment(cfg.threads, cfg.precision.device)
     prec_path = ROOT / "reports" / "precision.json"
     prec = json.loads(prec_path.read_text()) if prec_path.exists() else None
