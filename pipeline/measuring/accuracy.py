@@ -53,27 +53,38 @@ def compare(ref: torch.Tensor, gots: dict[str, torch.Tensor], targets: torch.Ten
     """Per-position figures of each name's logits in `gots` against `ref` (fp32 [P, vocab]), in fp64, the reference's
     distribution computed once; targets: the stream's next tokens [P]. Name -> lists to pool: kld, top1, tie (a
     reference near-tie), nll_ref, nll_got. KL(p || q) = sum p (a - b) - (lse_a - lse_b) for logits a, b: the small
-    differences a - b are summed, not the large log-probabilities."""
+    differences a - b are summed, not the large log-probabilities. The fp64 rows live in buffers made once per call
+    (fresh ones of this size would be zeroed page by page by the kernel each time)."""
     out = {name: {k: [] for k in ("kld", "top1", "tie", "nll_ref", "nll_got")} for name in gots}
+    a, p, b, scratch = (ref.new_empty((min(ROWS, ref.shape[0]), ref.shape[1]), dtype=torch.float64) for _ in range(4))
     for s in range(0, ref.shape[0], ROWS):
-        a, t = ref[s:s + ROWS].double(), targets[s:s + ROWS, None]
-        lse_a = a.logsumexp(-1)
-        p = (a - lse_a[:, None]).exp_()
-        top2 = a.topk(2, dim=-1).values
-        top_a = a.argmax(-1)
+        n = min(ROWS, ref.shape[0] - s)
+        a_, p_, b_, tmp, t = a[:n], p[:n], b[:n], scratch[:n], targets[s:s + n, None]
+        a_.copy_(ref[s:s + n])
+        lse_a = _logsumexp(a_, tmp)
+        torch.sub(a_, lse_a[:, None], out=p_).exp_()
+        top2 = ref[s:s + n].topk(2, dim=-1).values.double()
+        top_a = ref[s:s + n].argmax(-1)
         for name, got in gots.items():
-            g = got[s:s + ROWS]
-            b = g.double()
-            lse_b = b.logsumexp(-1)
+            g = got[s:s + n]
+            b_.copy_(g)
+            lse_b = _logsumexp(b_, tmp)
             o = out[name]
-            nll_got = lse_b - b.gather(1, t)[:, 0]
-            b.sub_(a).neg_()  # a - b
-            o["kld"].append(torch.bmm(p[:, None, :], b[:, :, None])[:, 0, 0] - (lse_a - lse_b))
+            nll_got = lse_b - b_.gather(1, t)[:, 0]
+            torch.sub(a_, b_, out=b_)  # a - b
+            o["kld"].append(torch.bmm(p_[:, None, :], b_[:, :, None])[:, 0, 0] - (lse_a - lse_b))
             o["tie"].append(top2[:, 0] - top2[:, 1] < TIE)
             o["top1"].append(top_a == g.argmax(-1))
-            o["nll_ref"].append(lse_a - a.gather(1, t)[:, 0])
+            o["nll_ref"].append(lse_a - a_.gather(1, t)[:, 0])
             o["nll_got"].append(nll_got)
     return {name: {k: torch.cat(v) for k, v in o.items()} for name, o in out.items()}
+
+
+def _logsumexp(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """x.logsumexp(-1) as torch computes it (max taken out, infinite maxima as 0), exp(x - max) in `scratch`."""
+    m = x.amax(-1)
+    m.masked_fill_(~m.isfinite(), 0)
+    return torch.sub(x, m[:, None], out=scratch).exp_().sum(-1).log_().add_(m)
 
 
 def summary(c: dict) -> dict:
