@@ -12,9 +12,21 @@ CONF = ROOT / "conf"
 
 
 def compose_config(overrides=()) -> DictConfig:
-    """conf/config.yaml with Hydra overrides."""
+    """conf/config.yaml with Hydra overrides; a precision level the model cannot run fails here too."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=list(overrides))
+    _check_storage(cfg)
+    return cfg
+
+
+def _check_storage(cfg) -> None:
+    """A level that reads a model's GGUF file (precision.weights: gguf) needs a model that has one: else a ValueError
+    naming the models that do and the levels this one can run."""
+    if cfg.precision.get("weights") == "gguf" and cfg.model.get("source") != "gguf":
+        gguf = [m for m in options("model") if group_entry("model", m).get("source") == "gguf"]
+        levels = [p for p in options("precision") if group_entry("precision", p).get("weights") != "gguf"]
+        raise ValueError(f"precision={cfg.precision.name} reads a model's GGUF file; model {cfg.model.name} has none "
+                         f"(model.source is not gguf): choose a model of {gguf} or a precision of {levels}")
 
 
 def options(group: str) -> list[str]:
@@ -65,9 +77,7 @@ def engine_weights(cfg) -> dict:
     weights = cfg.precision.get("weights", "model")
     if weights != "gguf":
         return {"weights": weights}
-    if cfg.model.get("source") != "gguf":
-        raise ValueError(f"precision={cfg.precision.name} reads a model's GGUF file; model {cfg.model.name} has none "
-                         "(model.source must be gguf)")
+    _check_storage(cfg)
     from engine.loader import gguf_path
 
     return {"weights": "gguf", "gguf": gguf_path(cfg.model.package, cfg.model.gguf_file)}

@@ -36,5 +36,12 @@ def test_bad_option_lists_the_valid_ones():
     assert "Available options" in str(err.value) and "chunked" in str(err.value)
 
 
+def test_a_level_the_model_cannot_run_fails_at_composition():
+    with pytest.raises(ValueError) as err:
+        compose_config(["precision=w4", "model=tiny-chat"])
+    assert "smollm2-135m" in str(err.value) and "fp32" in str(err.value) and "w4" not in str(err.value).split(":")[-1]
+    assert compose_config(["precision=w4"]).model.source == "gguf"  # the default model has its GGUF file
+
+
 def test_params_yaml_is_the_composed_default():
     assert OmegaConf.to_container(OmegaConf.load(PARAMS)) == OmegaConf.to_container(compose_config([]))

@@ -22,9 +22,9 @@ if __name__ == "__main__":
         names = list(dict.fromkeys([cfg.precision.name, *(cfg.bench.engine_speed.get("levels") or [])]))
         models, levels, skipped, tokenizer = {}, {}, {}, None
         for name in names:
-            level = compose_config([f"model={cfg.model.name}", f"precision={name}"])
-            pc = level.precision
             try:
+                level = compose_config([f"model={cfg.model.name}", f"precision={name}"])
+                pc = level.precision
                 for dtype in (pc.dtype, pc.get("reference_dtype", pc.dtype)):
                     if (dtype, pc.device) not in models:
                         models[dtype, pc.device], tokenizer = load_model(cfg.model, dtype, pc.device)
