@@ -1,10 +1,11 @@
 """A stage's config: params.yaml (composed from conf/ by DVC) when run without arguments, as DVC runs stages;
-else conf/ composed with the Hydra overrides given."""
+else conf/ composed with the Hydra overrides given. Either way a precision level the model cannot run fails here
+(params.yaml may have been edited since it was composed: `dvc exp run -S` sets its keys one by one)."""
 import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from engine.config import ROOT, compose_config
+from engine.config import ROOT, compose_config, engine_weights
 
 PARAMS = ROOT / "params.yaml"
 
@@ -12,5 +13,7 @@ PARAMS = ROOT / "params.yaml"
 def load(argv: list[str] | None = None) -> DictConfig:
     argv = sys.argv[1:] if argv is None else argv
     if not argv and PARAMS.exists():
-        return OmegaConf.load(PARAMS)
+        cfg = OmegaConf.load(PARAMS)
+        engine_weights(cfg)
+        return cfg
     return compose_config(argv)

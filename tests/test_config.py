@@ -43,5 +43,19 @@ def test_a_level_the_model_cannot_run_fails_at_composition():
     assert compose_config(["precision=w4"]).model.source == "gguf"  # the default model has its GGUF file
 
 
+def test_an_edited_params_yaml_fails_the_same_way(tmp_path, monkeypatch):
+    """`dvc exp run -S model=tiny-chat` on params.yaml at w4: the stage's load refuses it before any work."""
+    from pipeline import params
+
+    cfg = OmegaConf.load(PARAMS)
+    cfg.model, cfg.precision = compose_config(["model=tiny-chat"]).model, compose_config(["precision=w4"]).precision
+    OmegaConf.save(cfg, tmp_path / "params.yaml")
+    monkeypatch.setattr(params, "PARAMS", tmp_path / "params.yaml")
+    with pytest.raises(ValueError, match="model tiny-chat has none"):
+        params.load([])
+    monkeypatch.setattr(params, "PARAMS", PARAMS)
+    assert params.load([]).precision.name == OmegaConf.load(PARAMS).precision.name  # the committed one loads
+
+
 def test_params_yaml_is_the_composed_default():
     assert OmegaConf.to_container(OmegaConf.load(PARAMS)) == OmegaConf.to_container(compose_config([]))
