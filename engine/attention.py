@@ -1,5 +1,6 @@
 """A step's attention, one small type per path; the runner builds the one the step needs, every layer calls its
-`attend`. Softmax runs in fp32 whatever the cache's dtype; no path loops over sequences.
+`attend`. Softmax runs in fp32 whatever the cache's dtype; keys and values are read back from the cache in the
+activations' dtype (a bf16 cache under fp32 activations: exactly); no path loops over sequences.
 
 DenseDecode: decodes only, token i in seat i of a slot cache: one call against a view of the first seats.
 EqualPrompts: whole prompts of one length that no window cuts: the step's own q, k, v are the grid (SDPA, causal).
@@ -20,6 +21,7 @@ def decode(net, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     S, KV, L, D = k.shape
     if net.fused is not None:
         return net.fused.decode_attention(q, k, v, None if bias is None else bias.view(S, L), net.attn_scale)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # no copy unless the cache holds another dtype
     k, v = k.view(S * KV, L, D), v.view(S * KV, L, D)  # no copy
     scores = torch.bmm(q.contiguous().view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
     if net.attn_scale != 1.0:
@@ -45,6 +47,9 @@ class EqualPrompts:
     length: int                        # tokens each
 
     def attend(self, net, layer: int, q, k, v, cache) -> torch.Tensor:
+        stored = cache.k[layer].dtype
+        if stored != q.dtype:  # k and v as the other paths read them back from the cache
+            k, v = k.to(stored).to(q.dtype), v.to(stored).to(q.dtype)
         grid = [t.view(self.num, self.length, -1, net.head_dim).transpose(1, 2) for t in (q, k, v)]
         o = F.scaled_dot_product_attention(*grid, is_causal=True, scale=net.attn_scale, enable_gqa=True)
         return o.transpose(1, 2).reshape(q.shape)
@@ -100,6 +105,7 @@ class Padded:
             qp = q.new_zeros(P * Q, H, D)
             qp[p.grid] = q[p.tokens]
             k, v = cache.gather(layer, p.keys) if p.keys is not None else cache.gather(layer, p.seats, L)
+            k, v = k.to(q.dtype), v.to(q.dtype)
             o = F.scaled_dot_product_attention(qp.view(P, Q, H, D).transpose(1, 2), k, v, attn_mask=p.mask,
                                                is_causal=p.mask is None, scale=net.attn_scale, enable_gqa=True)
             out[p.tokens] = o.transpose(1, 2).reshape(P * Q, H, D)[p.grid]

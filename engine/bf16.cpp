@@ -14,8 +14,9 @@
 #endif
 
 constexpr int64_t ROWS = 16;  // output rows per tile
-constexpr int64_t TILES = 4;  // tiles per kernel call
-constexpr int64_t RB = 6;     // rows of x per kernel call
+constexpr int64_t TILES = 3;  // tiles per kernel call (x RB rows: 24 sums in registers; 576 or 960 outputs split
+                              // evenly over 2 threads, 64 rows into 8 calls)
+constexpr int64_t RB = 8;     // rows of x per kernel call
 
 // Whether this CPU multiplies bf16 pairs in hardware (AVX512-BF16).
 bool bf16_native() {
@@ -94,7 +95,9 @@ static Kernel kernel_for(int64_t rows) {
     case 3: return tile_kernel<3, NT>;
     case 4: return tile_kernel<4, NT>;
     case 5: return tile_kernel<5, NT>;
-    default: return tile_kernel<6, NT>;
+    case 6: return tile_kernel<6, NT>;
+    case 7: return tile_kernel<7, NT>;
+    default: return tile_kernel<8, NT>;
   }
 }
 
@@ -129,7 +132,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
       const int64_t t0 = g * TILES, nt = std::min(TILES, tiles - t0);
       for (int64_t r = 0; r < T; r += RB) {
         const int64_t rows = std::min(RB, T - r);
-        const Kernel f = nt == TILES ? kernel_for<TILES>(rows) : nt == 3 ? kernel_for<3>(rows)
+        const Kernel f = nt == TILES ? kernel_for<TILES>(rows)
                                                                 : nt == 2 ? kernel_for<2>(rows) : kernel_for<1>(rows);
         f(xp + r * K, K, wp + t0 * ROWS * K, K, op + r * n, n, t0 * ROWS, n, bp, rp ? rp + r * rs : nullptr, rs);
       }

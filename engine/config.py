@@ -73,14 +73,15 @@ def load_configured_model(cfg):
 
 
 def engine_weights(cfg) -> dict:
-    """FlatModel's storage arguments for a composed config's precision level: {"weights", "gguf"}."""
+    """FlatModel's storage arguments for a composed config's precision level: {"weights", "kv_dtype", "gguf"}."""
     weights = cfg.precision.get("weights", "model")
+    storage = {"weights": weights, "kv_dtype": cfg.precision.get("kv_dtype")}
     if weights != "gguf":
-        return {"weights": weights}
+        return storage
     _check_storage(cfg)
     from engine.loader import gguf_path
 
-    return {"weights": "gguf", "gguf": gguf_path(cfg.model.package, cfg.model.gguf_file)}
+    return {**storage, "gguf": gguf_path(cfg.model.package, cfg.model.gguf_file)}
 
 
 def load_engine_model(cfg):

@@ -1,30 +1,41 @@
 // Attention for the fused kernels (torch.ops.lab.decode_attention and token_attention; schemas in engine/native.cpp):
 // each (query token, kv head) reads its keys once for all query heads of its GQA group, masked keys never read, the
-// next group's keys and values prefetched meanwhile.
+// next group's keys and values prefetched meanwhile. The cache holds fp32 or bf16 (read as fp32: exact); q, the
+// scores, the softmax and the output are fp32.
 #include "native.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 
+// W cache values from p as fp32.
+static inline Vec load(const float* p) { return Vec::loadu(p); }
+static inline Vec load(const at::BFloat16* p) {
+  Vec v;
+  at::vec::load_to_float(p, v);
+  return v;
+}
+
 // The n keys and values one query token reads under one kv head: key l at row `rows[l]` (a paged cache's block
-// rows) or l (a slot cache's seat) of k and v, rows `ks` and `vs` floats apart; b its additive bias (-inf: masked,
-// never read; null: none).
+// rows) or l (a slot cache's seat) of k and v (T: float or at::BFloat16), rows `ks` and `vs` values apart; b its
+// additive bias (-inf: masked, never read; null: none).
+template <typename T>
 struct Keys {
-  const float *k, *v;
+  const T *k, *v;
   int64_t ks, vs;
   const int64_t* rows;
   const float* b;
   int64_t n;
-  const float* key(int64_t l) const { return k + (rows ? rows[l] : l) * ks; }
-  const float* value(int64_t l) const { return v + (rows ? rows[l] : l) * vs; }
+  const T* key(int64_t l) const { return k + (rows ? rows[l] : l) * ks; }
+  const T* value(int64_t l) const { return v + (rows ? rows[l] : l) * vs; }
   bool masked(int64_t l) const { return b && b[l] == -std::numeric_limits<float>::infinity(); }
   float bias(int64_t l) const { return b ? b[l] : 0.f; }
 };
 
-// Asks for a row of D floats to be brought into L2 (locality 2): the next group's (sequence, kv head) keys and
+// Asks for a row of D values to be brought into L2 (locality 2): the next group's (sequence, kv head) keys and
 // values are fetched while this one's are used, which the hardware prefetcher alone does not do across groups.
-static inline void prefetch(const float* row, int64_t D) {
-  for (int64_t d = 0; d < D; d += 64 / sizeof(float)) __builtin_prefetch(row + d, 0, 2);
+template <typename T>
+static inline void prefetch(const T* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(T)) __builtin_prefetch(row + d, 0, 2);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -42,8 +53,9 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // R query rows (qs floats apart) of a GQA group against L keys, rows NV vectors long: scores into p [R, L] (-inf
 // where masked), with the rows' queries in registers over all keys; the next group's keys prefetched meanwhile.
-template <int NV, int R>
-static void group_scores(const float* q, int64_t qs, const Keys& kv, float sc, int64_t L, float* p, const Keys* next) {
+template <int NV, int R, typename T>
+static void group_scores(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t L, float* p,
+                         const Keys<T>* next) {
   Vec qv[R][NV];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NV; ++n) qv[r][n] = Vec::loadu(q + r * qs + n * W);
@@ -53,11 +65,11 @@ static void group_scores(const float* q, int64_t qs, const Keys& kv, float sc, i
       for (int r = 0; r < R; ++r) p[r * L + l] = kv.b[l];
       return;
     }
-    const float* kl = kv.key(l);
+    const T* kl = kv.key(l);
     Vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = qv[r][0] * Vec::loadu(kl);
+    for (int r = 0; r < R; ++r) acc[r] = qv[r][0] * load(kl);
     for (int n = 1; n < NV; ++n) {
-      const Vec k = Vec::loadu(kl + n * W);
+      const Vec k = load(kl + n * W);
       for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(qv[r][n], k, acc[r]);
     }
     for (int r = 0; r < R; ++r)
@@ -72,11 +84,11 @@ static void group_scores(const float* q, int64_t qs, const Keys& kv, float sc, i
     }
     __m512 acc[R][4];
     for (int j = 0; j < 4; ++j) {
-      const float* kl = kv.key(l + j);
+      const T* kl = kv.key(l + j);
       if (next && !next->masked(l + j)) prefetch(next->key(l + j), NV * W);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(qv[r][0], _mm512_loadu_ps(kl));
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(qv[r][0], load(kl));
       for (int n = 1; n < NV; ++n) {
-        const __m512 k = _mm512_loadu_ps(kl + n * W);
+        const __m512 k = load(kl + n * W);
         for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(qv[r][n], k, acc[r][j]);
       }
     }
@@ -90,17 +102,17 @@ static void group_scores(const float* q, int64_t qs, const Keys& kv, float sc, i
 }
 
 // o [R, D] = p [R, L] (probabilities) times the values, masked ones unread; the next group's prefetched.
-template <int NV, int R>
-static void group_values(const float* p, const Keys& kv, int64_t L, float* o, int64_t D, const Keys* next) {
+template <int NV, int R, typename T>
+static void group_values(const float* p, const Keys<T>& kv, int64_t L, float* o, int64_t D, const Keys<T>* next) {
   Vec acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NV; ++n) acc[r][n] = Vec(0.f);
   for (int64_t l = 0; l < L; ++l) {
     if (next && !next->masked(l)) prefetch(next->value(l), NV * W);
     if (kv.masked(l)) continue;
-    const float* vl = kv.value(l);
+    const T* vl = kv.value(l);
     for (int n = 0; n < NV; ++n) {
-      const Vec v = Vec::loadu(vl + n * W);
+      const Vec v = load(vl + n * W);
       for (int r = 0; r < R; ++r) acc[r][n] = at::vec::fmadd(Vec(p[r * L + l]), v, acc[r][n]);
     }
   }
@@ -109,69 +121,80 @@ static void group_values(const float* p, const Keys& kv, int64_t L, float* o, in
 }
 
 // A whole group of G rows, at most 4 at a time (4 x NV accumulators): scores, or (`values`) the weighted sum.
-template <int NV>
-static void group(const float* q, int64_t qs, const Keys& kv, float sc, int64_t G, int64_t L, float* p, float* o,
-                  int64_t D, bool values, const Keys* next) {
+template <int NV, typename T>
+static void group(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t G, int64_t L, float* p, float* o,
+                  int64_t D, bool values, const Keys<T>* next) {
   for (int64_t j = 0; j < G; j += 4) {
     const int64_t R = std::min<int64_t>(4, G - j);
     if (!values) {
-      auto f = R == 4 ? group_scores<NV, 4> : R == 3 ? group_scores<NV, 3> : R == 2 ? group_scores<NV, 2>
-                                                                                    : group_scores<NV, 1>;
+      auto f = R == 4 ? group_scores<NV, 4, T> : R == 3 ? group_scores<NV, 3, T> : R == 2 ? group_scores<NV, 2, T>
+                                                                                          : group_scores<NV, 1, T>;
       f(q + j * qs, qs, kv, sc, L, p + j * L, j ? nullptr : next);
     } else {
-      auto f = R == 4 ? group_values<NV, 4> : R == 3 ? group_values<NV, 3> : R == 2 ? group_values<NV, 2>
-                                                                                    : group_values<NV, 1>;
+      auto f = R == 4 ? group_values<NV, 4, T> : R == 3 ? group_values<NV, 3, T> : R == 2 ? group_values<NV, 2, T>
+                                                                                          : group_values<NV, 1, T>;
       f(p + j * L, kv, L, o + j * D, D, j ? nullptr : next);
     }
   }
 }
 
+// A cache row of D values as fp32: the row itself (float), else converted into `buf`.
+static inline const float* as_float(const float* row, int64_t, float*) { return row; }
+static inline const float* as_float(const at::BFloat16* row, int64_t D, float* buf) {
+  for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(row[d]);
+  return buf;
+}
+
 // The same for any head dim, one row and one key at a time.
-static void group_any(const float* q, int64_t qs, const Keys& kv, float sc, int64_t G, int64_t L, float* p, float* o,
-                      int64_t D, bool values, const Keys*) {
+template <typename T>
+static void group_any(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t G, int64_t L, float* p,
+                      float* o, int64_t D, bool values, const Keys<T>*) {
   if (values) std::fill_n(o, G * D, 0.f);
+  std::vector<float> buf(D);
   for (int64_t j = 0; j < G; ++j)
     for (int64_t l = 0; l < L; ++l) {
       if (!values)
-        p[j * L + l] = kv.masked(l) ? kv.b[l] : dot(q + j * qs, kv.key(l), D) * sc + kv.bias(l);
+        p[j * L + l] = kv.masked(l) ? kv.b[l] : dot(q + j * qs, as_float(kv.key(l), D, buf.data()), D) * sc + kv.bias(l);
       else if (!kv.masked(l))
-        axpy(p[j * L + l], kv.value(l), o + j * D, D);
+        axpy(p[j * L + l], as_float(kv.value(l), D, buf.data()), o + j * D, D);
     }
 }
 
-using GroupFn = decltype(&group_any);
+template <typename T>
+using GroupFn = decltype(&group_any<T>);
 
-static GroupFn group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 128 floats with AVX-512)
-  if (D % W) return group_any;
+template <typename T>
+static GroupFn<T> group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 128 floats with AVX-512)
+  if (D % W) return group_any<T>;
   switch (D / W) {
-    case 1: return group<1>;
-    case 2: return group<2>;
-    case 3: return group<3>;
-    case 4: return group<4>;
-    case 5: return group<5>;
-    case 6: return group<6>;
-    case 8: return group<8>;
-    default: return group_any;
+    case 1: return group<1, T>;
+    case 2: return group<2, T>;
+    case 3: return group<3, T>;
+    case 4: return group<4, T>;
+    case 5: return group<5, T>;
+    case 6: return group<6, T>;
+    case 8: return group<8, T>;
+    default: return group_any<T>;
   }
 }
 
 // softmax(scale * q k^T + bias) v for q [S, H, D] (rows may be strided), the keys of (query s, kv head h) given by
 // `keys(s, h)` (at most L of them); [S, H, D].
-template <typename KeysOf>
+template <typename T, typename KeysOf>
 static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scale, const KeysOf& keys) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), G = H / KV;
   at::Tensor out = at::empty({S, H, D}, q.options());  // every row written by its group
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const GroupFn fn = group_for(D);
+  const GroupFn<T> fn = group_for<T>(D);
   parallel(0, S * KV, std::max<int64_t>(1, GRAIN / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * L);  // [G, n] scores, then probabilities
     for (int64_t i = begin; i < end; ++i) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;
       const float* qb = qp + s * q.stride(0) + h * G * q.stride(1);
-      const Keys kv = keys(s, h), nk = i + 1 < end ? keys((i + 1) / KV, (i + 1) % KV) : kv;  // this and the next
-      const Keys* next = i + 1 < end ? &nk : nullptr;
+      const Keys<T> kv = keys(s, h), nk = i + 1 < end ? keys((i + 1) / KV, (i + 1) % KV) : kv;  // this and next
+      const Keys<T>* next = i + 1 < end ? &nk : nullptr;
       const int64_t n = kv.n;
       float* ob = op + (s * H + h * G) * D;
       fn(qb, q.stride(1), kv, sc, G, n, p.data(), ob, D, false, next);
@@ -188,13 +211,27 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
   return out;
 }
 
+// k and v: CPU tensors of one dtype, fp32 or bf16, their last dimension contiguous.
+static void check_cache(const at::Tensor& k, const at::Tensor& v, const char* op) {
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->stride(-1) == 1 &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16),
+                op, ": k and v as float32 or bfloat16 CPU tensors, their last dimension contiguous, are needed");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), op, ": k and v of one dtype are needed");
+}
+
+// f(T()) for the cache's element type T (float or at::BFloat16).
+template <typename Fn>
+static at::Tensor by_cache_type(const at::Tensor& k, const Fn& f) {
+  return k.scalar_type() == at::kBFloat16 ? f(at::BFloat16()) : f(float());
+}
+
 // One query per sequence, q [S, H, D], against k and v [S, KV, L, D] (any strides but the last: a slot cache's
 // view), bias [S, L] additive (-inf: that key is never read) or none.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& bias, double scale) {
   check(q, "q");
-  check(k, "k");
-  check(v, "v");
+  check_cache(k, v, "decode_attention");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(2) == k.size(3) && q.size(1) % k.size(1) == 0,
               "decode_attention: q [S, H, D], k and v [S, KV, L, D] are needed");
@@ -206,10 +243,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     bp = bias->data_ptr<float>();
   }
   const int64_t bs = bp ? bias->stride(0) : 0;
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  return attend(q, k.size(1), L, scale, [&](int64_t s, int64_t h) {
-    return Keys{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
-                v.stride(2), nullptr, bp ? bp + s * bs : nullptr, L};
+  return by_cache_type(k, [&](auto zero) {
+    using T = decltype(zero);
+    const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+    return attend<T>(q, k.size(1), L, scale, [&](int64_t s, int64_t h) {
+      return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
+                     v.stride(2), nullptr, bp ? bp + s * bs : nullptr, L};
+    });
   });
 }
 
@@ -220,8 +260,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                            const std::optional<at::Tensor>& rows, double scale) {
   check(q, "q");
-  check(k, "k");
-  check(v, "v");
+  check_cache(k, v, "token_attention");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(2) == k.size(3) &&
                   q.size(1) % k.size(1) == 0 && spans.dim() == 2 && spans.size(0) == q.size(0) &&
                   spans.size(1) == 3 && spans.is_contiguous() && spans.scalar_type() == at::kLong,
@@ -246,13 +285,16 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                 ", ", s[1], ", ", s[2], ") of token ", t, " is not within ", Sq, " sequences of ", L, " keys");
     most = std::max(most, s[2] - s[1]);
   }
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  return attend(q, KV, most, scale, [&](int64_t t, int64_t h) {
-    const int64_t *s = sp + 3 * t, n = s[2] - s[1];
-    if (rp) return Keys{kp, vp, k.size(3), v.size(3), rp + (s[0] * KV + h) * L + s[1], nullptr, n};
-    return Keys{kp + s[0] * k.stride(0) + h * k.stride(1) + s[1] * k.stride(2),
-                vp + s[0] * v.stride(0) + h * v.stride(1) + s[1] * v.stride(2), k.stride(2), v.stride(2), nullptr,
-                nullptr, n};
+  return by_cache_type(k, [&](auto zero) {
+    using T = decltype(zero);
+    const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+    return attend<T>(q, KV, most, scale, [&](int64_t t, int64_t h) {
+      const int64_t *s = sp + 3 * t, n = s[2] - s[1];
+      if (rp) return Keys<T>{kp, vp, k.size(3), v.size(3), rp + (s[0] * KV + h) * L + s[1], nullptr, n};
+      return Keys<T>{kp + s[0] * k.stride(0) + h * k.stride(1) + s[1] * k.stride(2),
+                     vp + s[0] * v.stride(0) + h * v.stride(1) + s[1] * v.stride(2), k.stride(2), v.stride(2),
+                     nullptr, nullptr, n};
+    });
   });
 }
 

@@ -2,7 +2,7 @@
 import itertools
 import time
 
-from engine import kernels
+from engine import kernels, machine
 from engine.blocks import BlockManager
 from engine.config import kv_config
 from engine.kv_cache import make_cache
@@ -21,6 +21,7 @@ class LLMEngine:
         cache); runner: a ready runner (the simulator's) instead of one over the model; compile: decode-only steps
         through torch.compile; graphs: those steps padded to few shapes (CUDA graphs on CUDA)."""
         kv = kv_config(kv)
+        machine.retain_freed_memory()  # each step's temporaries reuse the last step's memory
         self.scheduler = make_scheduler(policy, max_request_tokens, eos_ids)
         self.max_request_tokens = max_request_tokens
         net = None if runner is not None else model if isinstance(model, FlatModel) else FlatModel(model)

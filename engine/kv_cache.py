@@ -28,15 +28,15 @@ class SlotCache:
         return ((seats[:, None] * heads + self._heads) * cap + positions[:, None]).view(-1)
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops=None):
-        """k, v: [T, kv heads, dim], stored at `rows`. ops: the fused kernels (engine/native.py),
-        which copy strided k and v without first making them contiguous."""
+        """k, v: [T, kv heads, dim], stored at `rows` in the cache's dtype. ops: the fused kernels
+        (engine/native.py), which copy strided k and v without first making them contiguous."""
         D = k.shape[-1]
         if ops is not None:
             ops.write_rows_(self.k[layer].view(-1, D), rows, k)
             ops.write_rows_(self.v[layer].view(-1, D), rows, v)
             return
-        self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
-        self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+        self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.k[layer].dtype))
+        self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.v[layer].dtype))
 
     def view(self, layer: int, num_seats: int, length: int):
         """K, V of seats [0, num_seats) up to `length` positions, as views (no copy)."""
@@ -77,8 +77,8 @@ class CatCache(SlotCache):
         heads, cap = self._heads.shape[1], self.k[layer].shape[2]  # rows move as the cache grows
         rows = ((self._seats[:, None] * heads + self._heads) * cap + self._pos[:, None]).view(-1)
         D = k.shape[-1]
-        self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D))
-        self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D))
+        self.k[layer].view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(self.k[layer].dtype))
+        self.v[layer].view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(self.v[layer].dtype))
 
 
 class PagedCache(SlotCache):
@@ -112,7 +112,7 @@ class PagedCache(SlotCache):
 def make_cache(name: str, net, num_seats: int, max_request_tokens: int, blocks=None):
     """The KV cache a conf/kv name asks for, for a FlatModel: `num_seats` seats of max_request_tokens positions
     (slot; cat's rows grow up to that length), or the pool of an engine.blocks.BlockManager (paged)."""
-    shape = (net.num_kv_heads, net.head_dim, net.dtype, net.device)
+    shape = (net.num_kv_heads, net.head_dim, net.kv_dtype, net.device)
     if name == "paged":
         return PagedCache(net.num_layers, blocks.num_blocks, blocks.block_size, *shape)
     return {"slot": SlotCache, "cat": CatCache}[name](net.num_layers, num_seats, max_request_tokens, *shape)

@@ -2,7 +2,7 @@
 // product, rotary, KV writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product
 // (+ residual), each step the same operator the Python layer loop calls, so the results are the same bits; only the
 // per-operator Python dispatch is gone. Each product is named by its kind (Product, in the order of engine/model.py's
-// NATIVE_PRODUCTS).
+// NATIVE_PRODUCTS). Each step is recorded under its operator's name for the profiler (probe_hardware's split).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
@@ -22,6 +22,8 @@ using Opt = std::optional<at::Tensor>;
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
+
+#define NAMED(name) RECORD_FUNCTION("lab::" name, std::vector<c10::IValue>())  // a span the profiler sees
 
 enum Product : int64_t { IN_OUT, LINEAR, PACKED, ONEDNN, Q4_1, Q8_0, BF16 };
 
@@ -62,19 +64,24 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       return call(op, {x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), ""});
     }
     case Q4_1: {  // this library's own products: called directly, named for the profiler
-      RECORD_FUNCTION("lab::q4_1_linear", std::vector<c10::IValue>());
+      NAMED("q4_1_linear");
       return q4_1_linear(x, w, bias, residual);
     }
     case Q8_0: {
-      RECORD_FUNCTION("lab::q8_0_linear", std::vector<c10::IValue>());
+      NAMED("q8_0_linear");
       return q8_0_linear(x, w, bias, residual);
     }
     case BF16: {  // aux: the number of outputs, a 0-dim int64 tensor
-      RECORD_FUNCTION("lab::bf16_linear", std::vector<c10::IValue>());
+      NAMED("bf16_linear");
       return bf16_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
     }
   }
   TORCH_CHECK(false, "layer: unknown product kind ", kind);
+}
+
+static at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  NAMED("rms_norm");
+  return rms_norm(x, w, eps);
 }
 
 // x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down
@@ -91,17 +98,25 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
   const auto p = [&](int j, const at::Tensor& in, const std::optional<at::Tensor>& residual) {
     return product(kinds[j], in, *weights[2 + 3 * j], weights[3 + 3 * j], weights[4 + 3 * j], residual);
   };
-  const at::Tensor qkv = p(0, rms_norm(x, w(0), eps), std::nullopt);
+  const at::Tensor qkv = p(0, norm(x, w(0), eps), std::nullopt);
   at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
-  rotary_(qk, cos, sin);
+  {
+    NAMED("rotary_");
+    rotary_(qk, cos, sin);
+  }
   const at::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, KV);
   const at::Tensor v = qkv.narrow(1, (heads + KV) * D, KV * D).view({T, KV, D});
-  write_rows_(k_cache.view({-1, D}), rows, k);
-  write_rows_(v_cache.view({-1, D}), rows, v);
+  {
+    NAMED("write_rows_");
+    write_rows_(k_cache.view({-1, D}), rows, k);
+    write_rows_(v_cache.view({-1, D}), rows, v);
+  }
   at::Tensor attn;
   if (spans) {
+    NAMED("token_attention");
     attn = token_attention(q, k_cache, v_cache, *spans, key_rows, scale);
   } else {
+    NAMED("decode_attention");
     const at::Tensor kv = k_cache.narrow(0, 0, seats).narrow(2, 0, length);
     const at::Tensor vv = v_cache.narrow(0, 0, seats).narrow(2, 0, length);
     std::optional<at::Tensor> b;
@@ -109,7 +124,13 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
     attn = decode_attention(q, kv, vv, b, scale);
   }
   const at::Tensor h = p(1, attn.reshape({T, heads * D}), x);
-  return p(3, silu_mul(p(2, rms_norm(h, w(1), eps), std::nullopt)), h);
+  const at::Tensor gu = p(2, norm(h, w(1), eps), std::nullopt);
+  at::Tensor a;
+  {
+    NAMED("silu_mul");
+    a = silu_mul(gu);
+  }
+  return p(3, a, h);
 }
 
 // Layer i of the stack: weights[14 i, 14 i + 14), kinds[4 i, 4 i + 4), k_caches[i], v_caches[i]; the rest as above.

@@ -28,6 +28,7 @@ from engine.quantized import Bf16Dense, GgufDense, gguf_layers
 from engine.support import ACTIVATIONS, check_config
 
 WEIGHTS = ("model", "bf16", "gguf")  # how the engine stores the weights (conf/precision: `weights`)
+KV_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # conf/precision: `kv_dtype`
 ROW_BLOCK = 1024  # tokens per MLP block in long prefills: keeps the [rows, 2 x intermediate] activations in cache
 KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
@@ -81,14 +82,15 @@ def _taken(*args, **kwargs):
 
 class FlatModel:
     def __init__(self, hf_model, take: bool = False, kernel: str | None = None, remeasure: bool = False,
-                 fused: bool = True, weights: str = "model", gguf=None):
+                 fused: bool = True, weights: str = "model", gguf=None, kv_dtype: str | None = None):
         """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
         layout (the weights then exist once); it cannot run afterwards. kernel: one product for every matrix and
         row count (a kernels.candidates name); None: each shape's measured choice (engine/kernels.py), `remeasure`
         measuring it again. fused: engine/native.py's kernels on an fp32 CPU, where they build (`self.fused`:
         their ops, else None). weights (a precision level's storage): "model" as the Hugging Face model holds
         them; "bf16"; "gguf", the blocks of the GGUF file `gguf` as stored (engine/quantized.py). With bf16 or
-        gguf weights the activations, KV cache, norms and softmax stay fp32."""
+        gguf weights the activations, norms and softmax stay fp32. kv_dtype: the KV cache's ("float32" or
+        "bfloat16"; None: the activations' dtype), read back in the activations' dtype."""
         cfg = hf_model.config
         self.generation_config = hf_model.generation_config  # its end-of-sequence ids (engine.loader.eos_ids)
         self.window = check_config(hf_model)  # tokens each query attends (itself included); None = all before it
@@ -103,7 +105,10 @@ class FlatModel:
         if weights not in WEIGHTS:
             raise ValueError(f"weights {weights!r}: choose one of {WEIGHTS}")
         self.weights, self.device = weights, m.embed_tokens.weight.device
-        self.dtype = m.embed_tokens.weight.dtype if weights == "model" else torch.float32  # activations, KV cache
+        self.dtype = m.embed_tokens.weight.dtype if weights == "model" else torch.float32  # activations
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {[k for k in KV_DTYPES if k]}")
+        self.kv_dtype = KV_DTYPES[kv_dtype] or self.dtype
         fp32_cpu = self.device.type == "cpu" and self.dtype == torch.float32
         self.fused = native.ops() if fused and fp32_cpu else None
         if weights == "gguf" and self.fused is None:
@@ -196,7 +201,7 @@ class FlatModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, cache, compiled: bool = False, graphs: bool = False) -> torch.Tensor:

@@ -82,9 +82,11 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-// dst [N, D] in place: row rows[i] = src's i-th row, src [T, heads, D] (any strides but the last), i = t * heads + j
+// dst [N, D] (fp32, or bf16: rounded to nearest even) in place: row rows[i] = src's i-th row, src [T, heads, D] fp32
+// (any strides but the last), i = t * heads + j
 void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) {
-  check(dst, "dst");
+  TORCH_CHECK(dst.device().is_cpu() && (dst.scalar_type() == at::kFloat || dst.scalar_type() == at::kBFloat16),
+              "dst: a float32 or bfloat16 CPU tensor is needed");
   check(src, "src");
   TORCH_CHECK(dst.dim() == 2 && dst.is_contiguous() && src.dim() == 3 && src.size(2) == dst.size(1) &&
                   rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == src.size(0) * src.size(1),
@@ -92,12 +94,17 @@ void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) 
   const int64_t T = src.size(0), Hd = src.size(1), D = src.size(2), N = dst.size(0);
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < T * Hd; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < N, "write_rows_: row ", r[i], " out of range");
-  float* dp = dst.data_ptr<float>();
   const float* sp = src.data_ptr<float>();
-  parallel(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
-      std::copy_n(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), D, dp + r[i] * D);
-  });
+  const auto copy = [&](auto* dp) {
+    parallel(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)  // float -> at::BFloat16 rounds to nearest even, as Tensor.to does
+        std::copy_n(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), D, dp + r[i] * D);
+    });
+  };
+  if (dst.scalar_type() == at::kBFloat16)
+    copy(dst.data_ptr<at::BFloat16>());
+  else
+    copy(dst.data_ptr<float>());
 }
 
 TORCH_LIBRARY(lab, m) {

@@ -26,7 +26,7 @@ PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::l
          "RMS norms": ("aten::rms_norm", "lab::rms_norm"),
          "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; else "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
-LAYER = "lab::layers"  # every decoder layer in one call: norms, rotary, KV writes and attention inside it
+LAYER = "lab::layers"  # every decoder layer in one call: its operators (norms, KV writes, attention...) named inside
 
 
 def bandwidth_gbs(device: str) -> float:
