@@ -154,7 +154,8 @@ static void group_any(const float* q, int64_t qs, const Keys<T>& kv, float sc, i
   for (int64_t j = 0; j < G; ++j)
     for (int64_t l = 0; l < L; ++l) {
       if (!values)
-        p[j * L + l] = kv.masked(l) ? kv.b[l] : dot(q + j * qs, as_float(kv.key(l), D, buf.data()), D) * sc + kv.bias(l);
+        p[j * L + l] =
+            kv.masked(l) ? kv.b[l] : dot(q + j * qs, as_float(kv.key(l), D, buf.data()), D) * sc + kv.bias(l);
       else if (!kv.masked(l))
         axpy(p[j * L + l], as_float(kv.value(l), D, buf.data()), o + j * D, D);
     }
