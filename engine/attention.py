@@ -120,3 +120,4 @@ class StepInputs:
     places: torch.Tensor               # [T] the seat (slot cache) or block (paged) that holds each token's K/V
     logit_rows: torch.Tensor           # the tokens whose logits are taken
     attention: DenseDecode | EqualPrompts | Spans | Padded
+    end: int                           # one past the largest position (known on the host: no read-back)

@@ -119,6 +119,7 @@ class FlatModel:
         self.embed = m.embed_tokens.weight if weights != "gguf" else None  # gguf: the head's rows (lm_head.rows)
         self.norm = m.norm.weight.to(self.dtype)
         self.rotary = m.rotary_emb
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions [0, 2^k) (_rope)
         blocks = gguf_layers(gguf, cfg) if weights == "gguf" else None
         make = {"model": Dense, "bf16": lambda w, b=None: Bf16Dense(w, b, self.fused)}.get(weights)
         self.layers = []
@@ -240,7 +241,8 @@ class FlatModel:
         bias = torch.zeros(masked.shape, dtype=self.dtype, device=dev).masked_fill_(masked, -torch.inf)
         ids = torch.cat([inputs.ids, inputs.ids.new_zeros(Sb - S)])
         return replace(inputs, ids=ids, positions=pos, places=rows, logit_rows=rows,
-                       attention=DenseDecode(Sb, Lb, bias[:, None, None, :]))
+                       attention=DenseDecode(Sb, Lb, bias[:, None, None, :]),
+                       end=cache.seat_len if Sb > S else inputs.end)
 
     def _traced(self, inputs: StepInputs, cache) -> torch.Tensor:
         """The step torch.compile traces: the Python layer loop (the compiler fuses what lab.layers would)."""
@@ -249,9 +251,7 @@ class FlatModel:
     def _forward(self, inputs: StepInputs, cache, native: bool = True) -> torch.Tensor:
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(inputs.ids, self.embed) if self.embed is not None else self.lm_head.rows(inputs.ids)
-        cos, sin = self.rotary(x[None], inputs.positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]           # [T, 1, D]
-        sin = torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], dim=-1)  # rotate_half(x) * sin = swap(x) * this
+        cos, sin = self._rope(inputs.positions, inputs.end, traced=not native)  # [T, D]
         T = inputs.ids.shape[0]
         rows = cache.rows(inputs.places, inputs.positions)  # flat cache rows of this step's tokens
         layers = self._native_layers(T, inputs.attention) if native and not isinstance(cache, CatCache) else None
@@ -259,7 +259,7 @@ class FlatModel:
             a = inputs.attention
             spans, keys = (a.spans, a.key_rows) if isinstance(a, Spans) else (None, None)
             seats, length, bias = (a.num_seats, a.length, a.bias) if isinstance(a, DenseDecode) else (0, 0, None)
-            x = self.fused.layers(x, *layers, cos[:, 0], sin[:, 0], cache.k, cache.v, rows, spans, keys, bias, seats,
+            x = self.fused.layers(x, *layers, cos, sin, cache.k, cache.v, rows, spans, keys, bias, seats,
                                   length, H, self.eps, self.attn_scale)
             return self.lm_head(self._norm(x[inputs.logit_rows], self.norm)).float()
         for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.layers):
@@ -301,14 +301,31 @@ class FlatModel:
             return self.fused.rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
+    def _rope(self, positions: torch.Tensor, end: int, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, D] of each position (all below `end`), sin's first half negated (rotate_half(x) * sin =
+        swap(x) * this): rows of a table the model's rotary module computed once for positions [0, 2^k) (its
+        frequencies are fixed: engine/support.py), grown when a step reaches past it; a traced step computes its own
+        (no table that grows under torch.compile)."""
+        if traced:
+            return self._rope_rows(positions)
+        if self._rope_table is None or self._rope_table[0].shape[0] < end:
+            self._rope_table = self._rope_rows(torch.arange(1 << (end - 1).bit_length(), device=self.device))
+        cos, sin = self._rope_table
+        return cos[positions], sin[positions]
+
+    def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        D = self.head_dim
+        cos, sin = self.rotary(self.norm, positions[None])  # its x argument gives only the dtype and device
+        return cos[0], torch.cat([-sin[0, :, :D // 2], sin[0, :, D // 2:]], dim=-1)
+
     def _rotary(self, qk, cos, sin):
-        """qk [T, heads, D]: x * cos + x with its halves swapped * sin (cos, sin [T, 1, D]; sin's first half
-        negated); in place on the fused kernel's path."""
+        """qk [T, heads, D]: x * cos + x with its halves swapped * sin (cos, sin [T, D]; sin's first half negated); in
+        place on the fused kernel's path."""
         if self.fused is not None:
-            self.fused.rotary_(qk, cos[:, 0], sin[:, 0])
+            self.fused.rotary_(qk, cos, sin)
             return qk
         T, heads, D = qk.shape
-        return qk.view(T, heads, 2, D // 2).flip(2).view(qk.shape).mul_(sin).addcmul_(qk, cos)
+        return qk.view(T, heads, 2, D // 2).flip(2).view(qk.shape).mul_(sin[:, None]).addcmul_(qk, cos[:, None])
 
     def _mlp(self, x, ln, wgu, wd):
         """x + down(act(gate) * up) of rms_norm(x)."""

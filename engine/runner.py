@@ -42,8 +42,10 @@ class ModelRunner:
             (decodes if n == 1 else prompts).append((t0, c))
             if c.sample:
                 logit_rows.append(t0 + n - 1)
-        return StepInputs(self._tensor(ids), self._tensor(positions), self._tensor(places), self._tensor(logit_rows),
-                          self._attention(plan.chunks, places, positions, decodes, prompts))
+        T = len(ids)  # the four index lists travel as one tensor, split into views
+        flat = self._tensor(ids + positions + places + logit_rows).split([T, T, T, len(logit_rows)])
+        attention = self._attention(plan.chunks, places, positions, decodes, prompts)
+        return StepInputs(*flat, attention, max(positions, default=-1) + 1)
 
     def _attention(self, chunks, places, positions, decodes, prompts):
         win = self.net.window

@@ -155,3 +155,23 @@ def test_a_large_shape_is_made_in_its_dtype_with_its_rotary_frequencies():
     prompt = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(0)).tolist()
     out = run_scenario(model, {"name": "continuous", "max_running": 1}, [prompt], [6], {0: [0]}, max_request_tokens=32)
     assert out["0"] == generate_alone(model, prompt, 6)
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope", [{}, LLAMA3, YARN])
+def test_rotary_table_rows_are_the_rotary_modules_own_values(rope):
+    """Each eager step's cos and sin are rows of one table (grown as steps reach further): bit-equal to what the
+    model's rotary module computes for those positions alone, as a traced step does, the table's growth included."""
+    fields = {"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}
+    net = FlatModel(tiny("llama", **fields))
+    gen = torch.Generator().manual_seed(0)
+    for end in (1, 5, 40, 256):
+        positions = torch.randint(0, end, (7,), generator=gen)
+        table, own = net._rope(positions, end, traced=False), net._rope(positions, end, traced=True)
+        assert net._rope_table[0].shape[0] >= end
+        assert torch.equal(table[0], own[0]) and torch.equal(table[1], own[1])
+    cos, sin = net.rotary(net.norm, positions[None])  # and both are the module's, sin's first half negated
+    assert torch.equal(own[0], cos[0]) and torch.equal(own[1][:, 8:], sin[0, :, 8:])
+    assert torch.equal(own[1][:, :8], -sin[0, :, :8])

@@ -86,6 +86,16 @@ def test_logprobs_are_the_raw_distribution():
     assert abs(got[0][1][0][1] - math.log(0.5)) < 1e-6 and got[1][1] == () and abs(got[1][0] - math.log(0.8)) < 1e-6
 
 
+def test_ignore_eos_rows_never_pick_an_end_id_and_other_rows_may():
+    """Every row ignoring eos, or some: the end ids (the largest logits here) are out for exactly those rows."""
+    sampler = Sampler(seed=0, eos_ids=[2, 7])
+    logits = torch.zeros(3, 10)
+    logits[:, 2], logits[:, 7], logits[:, 4] = 9.0, 8.0, 1.0
+    keep, drop = SamplingParams(), SamplingParams(ignore_eos=True)
+    assert sampler(logits.clone(), ["a", "b", "c"], [drop, drop, drop]) == [4, 4, 4]
+    assert sampler(logits.clone(), ["a", "b", "c"], [keep, drop, keep]) == [2, 4, 2]
+
+
 def test_every_tensor_lives_on_the_logits_device():
     """On the meta device a CPU tensor made by mistake fails with a device mismatch; a device-clean path runs to
     its first read-back of values, which meta cannot give."""

@@ -9,11 +9,12 @@ teacher-forced, fp32 against fp32 through another product kernel; free-running, 
 fp32 all at once (B=1 against B=many). A level is lossless when its mean KLD is within LOSSLESS_KLD times the
 floor's and its top-1 without near-ties reaches LOSSLESS_TOP1.
 """
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.attention import StepInputs
 from engine.kv_cache import make_cache
 from engine.outputs import ScheduledChunk, SchedulerOutput
 from engine.runner import ModelRunner
@@ -45,7 +46,7 @@ def logits_of(net, seqs: list[list[int]]) -> torch.Tensor:
     inputs = runner.inputs(plan)
     starts = np.cumsum([0] + [len(s) for s in seqs])
     rows = torch.tensor([r for i, s in enumerate(seqs) for r in range(starts[i], starts[i] + len(s) - 1)])
-    inputs = StepInputs(inputs.ids, inputs.positions, inputs.places, rows, inputs.attention)
+    inputs = replace(inputs, logit_rows=rows)
     return net.forward(inputs, runner.cache)
 
 
