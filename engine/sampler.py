@@ -35,15 +35,8 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> 
 class Sampler:
     def __init__(self, seed: int = 0, eos_ids=()):
         self.eos_ids = list(eos_ids)
-        self._eos_ids: torch.Tensor | None = None  # eos_ids on the logits' device (_eos)
         self._engine_rng = torch.Generator().manual_seed(seed)   # draws the seeds of requests that bring none
         self._rngs: dict[str, torch.Generator] = {}               # rid -> its own generator, on the logits' device
-
-    def _eos(self, device: torch.device) -> torch.Tensor:
-        """The end-of-sequence ids as a tensor on `device`, made once."""
-        if self._eos_ids is None or self._eos_ids.device != device:
-            self._eos_ids = to_device(self.eos_ids, device)
-        return self._eos_ids
 
     def forget(self, rid: str) -> None:
         self._rngs.pop(rid, None)
@@ -63,11 +56,8 @@ class Sampler:
         dev = logits.device
         no_eos = [i for i, p in enumerate(params) if p.ignore_eos]
         if no_eos and self.eos_ids:
-            eos = self._eos(dev)
-            if len(no_eos) == len(params):
-                logits[:, eos] = float("-inf")
-            else:
-                logits[to_device(no_eos, dev)[:, None], eos[None, :]] = float("-inf")
+            rows = to_device(no_eos, dev)[:, None]
+            logits[rows, to_device(self.eos_ids, dev)[None, :]] = float("-inf")
         hurt = [i for i, p in enumerate(params) if p.penalized]
         if hurt:
             idx = to_device(hurt, dev)

@@ -173,5 +173,6 @@ def test_rotary_table_rows_are_the_rotary_modules_own_values(rope):
         assert net._rope_table[0].shape[0] >= end
         assert torch.equal(table[0], own[0]) and torch.equal(table[1], own[1])
     cos, sin = net.rotary(net.norm, positions[None])  # and both are the module's, sin's first half negated
-    assert torch.equal(own[0], cos[0]) and torch.equal(own[1][:, 8:], sin[0, :, 8:])
-    assert torch.equal(own[1][:, :8], -sin[0, :, :8])
+    half = net.head_dim // 2
+    assert torch.equal(own[0], cos[0]) and torch.equal(own[1][:, half:], sin[0, :, half:])
+    assert torch.equal(own[1][:, :half], -sin[0, :, :half])
