@@ -12,7 +12,7 @@ from engine.config import engine_weights
 from engine.machine import environment
 from engine.model import FlatModel
 from pipeline.measuring.disturbance import measured
-from pipeline.measuring.timing import best_of, step_floor_ms
+from pipeline.measuring.timing import bandwidth_gbs, best_of, step_floor_ms
 from pipeline.workloads.prompts import prompts_for
 
 BATCHES = [1, 4, 16, 64, 128]
@@ -27,12 +27,6 @@ PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::l
          "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; else "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
 LAYER = "lab::layers"  # every decoder layer in one call: its operators (norms, KV writes, attention...) named inside
-
-
-def bandwidth_gbs(device: str) -> float:
-    """Streaming read: sum of a 512 MiB fp32 tensor, GB/s."""
-    x = torch.ones(128 * 2**20, device=device)
-    return x.numel() * 4 / best_of(lambda: x.sum(), device) / 1e9
 
 
 def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:

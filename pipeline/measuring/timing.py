@@ -37,6 +37,12 @@ def best_of(fn, device, repeats: int = 5, warm: bool = True) -> float:
     return best
 
 
+def bandwidth_gbs(device) -> float:
+    """Streaming read: sum of a 512 MiB fp32 tensor, GB/s (the fastest of 5)."""
+    x = torch.ones(128 * 2**20, device=device)
+    return x.numel() * 4 / best_of(lambda: x.sum(), device) / 1e9
+
+
 def step_floor_ms(net: FlatModel, batch: int, steps: int = 1, repeats: int = 3, warm: bool = True) -> float:
     """Every matrix of the model once (fused as the engine runs them, plus the LM head) on `batch` rows, ms per
     step: `steps` such steps back to back (a sustained rate, timed like an engine run's decode steps), the fastest
@@ -156,13 +162,15 @@ def check_case(row: dict) -> None:
                                    "whole request")
 
 
-def engine_speed(levels: dict, tokenizer, bench, limits, bandwidth_gbs: float | None = None) -> list[dict]:
+def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None = None) -> list[dict]:
     """Every case of bench.engine_speed (a conf/bench section) at every level after one unreported warm-up, each
     measured again while disturbed (limits: the config's `measure`). levels: name -> (the engine's FlatModel, the
     Hugging Face model it is compared against, the level's conf/precision entry); generate runs once per case for
     each distinct model. Each row's decode rate is set against the floor for its batch (floor_tps: its matrix
     products alone, sustained after each engine run) and, given the probe's read bandwidth, against the bytes
-    floor (bytes_floor_tps: every weight byte read once a step at that bandwidth, the bound of small batches)."""
+    floor (bytes_floor_tps: every weight byte read once a step at that bandwidth, the bound of small batches); the
+    same read measured again in this process before each case gives bytes_fraction_here (a machine whose memory
+    reads differently from run to run shows it here)."""
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     flags = {name: (bool(bench.compile or pc.compile), bool(pc.graphs)) for name, (_, _, pc) in levels.items()}
     vocab = next(iter(levels.values()))[1].config.vocab_size
@@ -176,7 +184,7 @@ def engine_speed(levels: dict, tokenizer, bench, limits, bandwidth_gbs: float | 
     for case in bench.cases:
         B, n, reps = int(case["batch"]), int(case["new_tokens"]), int(case.get("repeats", bench.repeats))
         prompts = prompts_for(case["prompt"], B, tokenizer, vocab)
-        hf = {}
+        here, hf = bandwidth_gbs(next(iter(levels.values()))[0].device), {}
         for level, (net, model, _) in levels.items():
             row, watch = measured(lambda: engine_case(net, prompts, n, reps, *flags[level], paged=level == first),
                                   limits, f"engine_speed {level} B={B}", check=check_case)
@@ -189,9 +197,11 @@ def engine_speed(levels: dict, tokenizer, bench, limits, bandwidth_gbs: float | 
                    **watch.fields(), "hf_disturbed": ref_watch.disturbed, "hf_dtype": str(model.dtype)}
             row["ratio"] = row["engine_tps"] / row["hf_tps"]
             row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]
-            if bandwidth_gbs:
-                row["bytes_floor_tps"] = B * bandwidth_gbs * 1e9 / net.step_bytes
+            if probe_gbs:
+                row["bytes_floor_tps"] = B * probe_gbs * 1e9 / net.step_bytes
                 row["bytes_fraction"] = row["engine_decode_tps"] / row["bytes_floor_tps"]
+            row["bandwidth_gbs_here"] = here  # read just before the case, in this process
+            row["bytes_fraction_here"] = row["engine_decode_tps"] * net.step_bytes / (B * here * 1e9)
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return rows

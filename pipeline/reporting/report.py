@@ -64,17 +64,19 @@ def engine_speed_section(rows: list[dict], prec: dict | None) -> tuple[str, dict
         ["precision", "accuracy against fp32", "B", "prompt tokens", "new tokens", "engine tok/s", "HF tok/s", "ratio",
          "engine prefill, s", "HF prefill, s", "engine decode tok/s", "HF decode tok/s", "decode ratio",
          "engine weights, MB", "KV cache, MB", "peak, MB", "paged/slot decode", "decode / floor",
-         "decode / bytes floor", "other CPUs", "disturbed"],
+         "decode / bytes floor", "same, bandwidth read here", "other CPUs", "disturbed"],
         [[r.get("precision", "fp32"), tables.accuracy_of(prec, r.get("precision", "fp32")), r["batch"],
           r["prompt_tokens"], r["new_tokens"], f(r["engine_tps"], 1), f(r["hf_tps"], 1), f(r["ratio"]),
           f(r["engine_prefill_s"]), f(r["hf_prefill_s"]), f(r["engine_decode_tps"], 1), f(r["hf_decode_tps"], 1),
           f(r["decode_ratio"]), f(r["engine_weight_bytes"] / 1e6, 0), f(r["kv_cache_bytes"] / 1e6, 0),
           f(r["engine_peak_mb"], 0), f(r.get("paged_decode_ratio")), f(r.get("floor_fraction")),
-          f(r.get("bytes_fraction")), f(r.get("other_cpu_share")), "yes" if r.get("disturbed") else "no"]
+          f(r.get("bytes_fraction")), f(r.get("bytes_fraction_here")), f(r.get("other_cpu_share")),
+          "yes" if r.get("disturbed") else "no"]
          for r in rows])
     metrics = {f"engine_speed.{r.get('precision', 'fp32')}.b{r['batch']}_p{r['prompt_tokens']}.{k}": round(r[k], 3)
                for r in rows for k in ("engine_tps", "hf_tps", "ratio", "decode_ratio", "engine_decode_tps",
-                                       "paged_decode_ratio", "floor_fraction", "bytes_fraction") if k in r}
+                                       "paged_decode_ratio", "floor_fraction", "bytes_fraction",
+                                       "bytes_fraction_here") if k in r}
     return body, metrics
 
 
@@ -198,7 +200,8 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                              "decode / floor: the engine's decode rate against its matrix products alone, run "
                              "for as many steps right after each engine run (the fastest such run); decode / bytes "
                              "floor: against every weight byte read once a step at the probe's read bandwidth "
-                             "(the bound at small batches)."
+                             "(the bound at small batches); same, bandwidth read here: against that floor at the "
+                             "bandwidth read again in the engine's process just before the case."
                              + inputs.note(reports / "engine_speed.json") + machine_dependence(hw), body))
         metrics.update(m)
     results_by_table = engine_tables(inputs, results)
