@@ -173,7 +173,8 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
     reads differently from run to run shows it here)."""
     pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     flags = {name: (bool(bench.compile or pc.compile), bool(pc.graphs)) for name, (_, _, pc) in levels.items()}
-    vocab = next(iter(levels.values()))[1].config.vocab_size
+    net0, model0, _ = next(iter(levels.values()))
+    device, vocab = net0.device, model0.config.vocab_size
     warm = prompts_for("chat", 2, tokenizer, vocab)
     for name, (net, model, _) in levels.items():
         engine_run(net, warm, 8, flags[name][0], graphs=flags[name][1])
@@ -184,7 +185,7 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
     for case in bench.cases:
         B, n, reps = int(case["batch"]), int(case["new_tokens"]), int(case.get("repeats", bench.repeats))
         prompts = prompts_for(case["prompt"], B, tokenizer, vocab)
-        here, hf = bandwidth_gbs(next(iter(levels.values()))[0].device), {}
+        here, hf = bandwidth_gbs(device), {}  # GB/s, read just before the case in this process
         for level, (net, model, _) in levels.items():
             row, watch = measured(lambda: engine_case(net, prompts, n, reps, *flags[level], paged=level == first),
                                   limits, f"engine_speed {level} B={B}", check=check_case)
@@ -200,7 +201,7 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
             if probe_gbs:
                 row["bytes_floor_tps"] = B * probe_gbs * 1e9 / net.step_bytes
                 row["bytes_fraction"] = row["engine_decode_tps"] / row["bytes_floor_tps"]
-            row["bandwidth_gbs_here"] = here  # read just before the case, in this process
+            row["bandwidth_gbs_here"] = here
             row["bytes_fraction_here"] = row["engine_decode_tps"] * net.step_bytes / (B * here * 1e9)
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
