@@ -43,16 +43,18 @@ at::Tensor bf16_pack(const at::Tensor& w) {
 }
 
 #if defined(LAB_BF16)
-// R rows of xb (bf16, K each, `xs` apart) against `nt` tiles starting at w: out rows (`os` apart) at column c0.
+// R rows of xb (bf16, K each, `xs` apart) against `nt` tiles starting at w: out rows (`os` apart) at column c0;
+// meanwhile the `lines` cache lines from pf are asked into L2, spread over the loop.
 template <int R, int NT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void tile_kernel(
     const uint16_t* xb, int64_t xs, const uint16_t* w, int64_t K, float* out, int64_t os, int64_t c0, int64_t N,
-    const float* bias, const float* res, int64_t rs) {
+    const float* bias, const float* res, int64_t rs, const char* pf, int64_t lines) {
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const int64_t ts = ROWS * K;  // elements per tile
+  const int64_t ts = ROWS * K, per = (lines + K / 2 - 1) / (K / 2);  // elements per tile; lines per pair of inputs
   for (int64_t j = 0; j < K / 2; ++j) {
+    for (int64_t i = j * per; i < std::min(lines, j * per + per); ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
     __m512bh wv[NT];
     for (int t = 0; t < NT; ++t)
       wv[t] = (__m512bh)_mm512_loadu_si512(w + t * ts + j * ROWS * 2);
@@ -85,7 +87,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void to_b
 }
 
 using Kernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t,
-                        const float*, const float*, int64_t);
+                        const float*, const float*, int64_t, const char*, int64_t);
 
 template <int NT>
 static Kernel kernel_for(int64_t rows) {
@@ -101,13 +103,66 @@ static Kernel kernel_for(int64_t rows) {
   }
 }
 
+// [T, N] bf16 of T rows of N floats rounded: row t is row(t, buf), computed into buf [N] (a thread's own) or read
+// in place.
+template <typename Row>
+static at::Tensor bf16_rows(const at::Tensor& like, int64_t T, int64_t N, const Row& row) {
+  at::Tensor out = at::empty({T, N}, like.options().dtype(at::kBFloat16));
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(N);
+    for (int64_t t = begin; t < end; ++t) to_bf16(row(t, buf.data()), op + t * N, N);
+  });
+  return out;
+}
 #endif
 
-// x [T, K] float32 (rows may be strided) times w (bf16_pack's, n outputs) -> [T, n] float32 (+ bias [n])
-// (+ residual [T, n]).
+// x [T, N] (rows may be strided), w [N] -> rms_norm's result rounded to bf16 as bf16_linear rounds its x: the same
+// values, in one pass.
+at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check(x, "x");
+  check(w, "w");
+  TORCH_CHECK(bf16_native(), "bf16_rms_norm: this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: x [T, N] and w [N] are needed");
+#if defined(LAB_BF16)
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  const int64_t N = x.size(1), xs = x.stride(0);
+  return bf16_rows(x, x.size(0), N, [&](int64_t t, float* o) {
+    norm_row(xp + t * xs, wp, N, eps, o);
+    return o;
+  });
+#else
+  return at::Tensor();
+#endif
+}
+
+// gu [T, 2I] -> silu_mul's result rounded to bf16, in one pass.
+at::Tensor bf16_silu_mul(const at::Tensor& gu) {
+  check(gu, "gu");
+  TORCH_CHECK(bf16_native(), "bf16_silu_mul: this CPU has no AVX512-BF16");
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: gu [T, 2I] is needed");
+#if defined(LAB_BF16)
+  const float* gp = gu.data_ptr<float>();
+  const int64_t I = gu.size(1) / 2, gs = gu.stride(0);
+  return bf16_rows(gu, gu.size(0), I, [&](int64_t t, float* o) {
+    silu_row(gp + t * gs, gp + t * gs + I, I, o);
+    return o;
+  });
+#else
+  return at::Tensor();
+#endif
+}
+
+// x [T, K] float32 (rows may be strided; rounded to bf16 here) or bf16 (contiguous) times w (bf16_pack's, n
+// outputs) -> [T, n] float32 (+ bias [n]) (+ residual [T, n]).
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias,
                        const std::optional<at::Tensor>& residual) {
-  check(x, "x");
+  const bool rounded = x.scalar_type() == at::kBFloat16;
+  if (rounded) {
+    TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x: a contiguous bfloat16 CPU tensor is needed");
+  } else {
+    check(x, "x");
+  }
   TORCH_CHECK(bf16_native(), "bf16_linear: this CPU has no AVX512-BF16");
 #if defined(LAB_BF16)
   const int64_t T = x.size(0), K = x.size(1), tiles = (n + ROWS - 1) / ROWS;
@@ -115,26 +170,35 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
               "bf16_linear: x [T, K] and w packed by bf16_pack for [n, K] are needed");
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat, "bias [n]");
   if (residual) check(*residual, "residual");
-  const at::Tensor xb = at::empty({T, K}, x.options().dtype(at::kBFloat16));
-  auto* xp = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
-  const float* xf = x.data_ptr<float>();
-  parallel(0, T, std::max<int64_t>(1, GRAIN / K), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) to_bf16(xf + t * x.stride(0), xp + t * K, K);
-  });
-  at::Tensor out = at::empty({T, n}, x.options());
+  at::Tensor xb = x;
+  if (!rounded) {
+    const float* xf = x.data_ptr<float>();
+    const int64_t xs = x.stride(0);
+    xb = bf16_rows(x, T, K, [&](int64_t t, float*) { return xf + t * xs; });
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+  at::Tensor out = at::empty({T, n}, x.options().dtype(at::kFloat));
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? residual->data_ptr<float>() : nullptr;
   const int64_t rs = residual ? residual->stride(0) : 0, groups = (tiles + TILES - 1) / TILES;
+  const int64_t blocks = (T + RB - 1) / RB, helpers = std::max<int64_t>(1, blocks - 1);
   parallel(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t t0 = g * TILES, nt = std::min(TILES, tiles - t0);
-      for (int64_t r = 0; r < T; r += RB) {
-        const int64_t rows = std::min(RB, T - r);
+      // The thread's next group of tiles is asked from memory into L2 while this one computes, a share in each row
+      // block after the first (the only one: in it): no block then waits on memory for its weights.
+      const int64_t next = g + 1 < end ? std::min(TILES, tiles - t0 - TILES) * ROWS * K * 2 / 64 : 0;  // lines
+      const int64_t share = (next + helpers - 1) / helpers;
+      const char* pf = reinterpret_cast<const char*>(wp + (t0 + TILES) * ROWS * K);
+      for (int64_t r = 0, b = 0; r < T; r += RB, ++b) {
+        const int64_t rows = std::min(RB, T - r), k = blocks > 1 ? b - 1 : b;  // k: this block's share
+        const int64_t lines = k < 0 ? 0 : std::max<int64_t>(0, std::min(share, next - k * share));
         const Kernel f = nt == TILES ? kernel_for<TILES>(rows)
                                                                 : nt == 2 ? kernel_for<2>(rows) : kernel_for<1>(rows);
-        f(xp + r * K, K, wp + t0 * ROWS * K, K, op + r * n, n, t0 * ROWS, n, bp, rp ? rp + r * rs : nullptr, rs);
+        f(xp + r * K, K, wp + t0 * ROWS * K, K, op + r * n, n, t0 * ROWS, n, bp, rp ? rp + r * rs : nullptr, rs,
+          pf + 64 * std::max<int64_t>(0, k) * share, lines);
       }
     }
   });
@@ -147,6 +211,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
 TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("bf16_pack", bf16_pack);
   m.impl("bf16_linear", bf16_linear);
+  m.impl("bf16_rms_norm", bf16_rms_norm);
+  m.impl("bf16_silu_mul", bf16_silu_mul);
 }
 
 TORCH_LIBRARY_FRAGMENT(lab, m) {

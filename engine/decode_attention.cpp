@@ -1,7 +1,7 @@
 // Attention for the fused kernels (torch.ops.lab.decode_attention and token_attention; schemas in engine/native.cpp):
 // each (query token, kv head) reads its keys once for all query heads of its GQA group, masked keys never read, the
 // next group's keys and values prefetched meanwhile. The cache holds fp32 or bf16 (read as fp32: exact); q, the
-// scores, the softmax and the output are fp32.
+// scores, the softmax and the output are fp32; the softmax's division is applied once to each output row.
 #include "native.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -101,10 +101,20 @@ static void group_scores(const float* q, int64_t qs, const Keys<T>& kv, float sc
   for (; l < L; ++l) one(l);
 }
 
-// o [R, D] = p [R, L] (probabilities) times the values, masked ones unread; the next group's prefetched.
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;  // accumulators as bare registers (arrays of Vec are kept in memory)
+static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+using Reg = Vec;
+static inline Reg fma(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
+#endif
+
+// o [R, D] = (p [R, L] (unnormalised probabilities) times the values) * inv [R], masked ones unread; the next
+// group's prefetched.
 template <int NV, int R, typename T>
-static void group_values(const float* p, const Keys<T>& kv, int64_t L, float* o, int64_t D, const Keys<T>* next) {
-  Vec acc[R][NV];
+static void group_values(const float* p, const float* inv, const Keys<T>& kv, int64_t L, float* o, int64_t D,
+                         const Keys<T>* next) {
+  Reg acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < NV; ++n) acc[r][n] = Vec(0.f);
   for (int64_t l = 0; l < L; ++l) {
@@ -112,28 +122,29 @@ static void group_values(const float* p, const Keys<T>& kv, int64_t L, float* o,
     if (kv.masked(l)) continue;
     const T* vl = kv.value(l);
     for (int n = 0; n < NV; ++n) {
-      const Vec v = load(vl + n * W);
-      for (int r = 0; r < R; ++r) acc[r][n] = at::vec::fmadd(Vec(p[r * L + l]), v, acc[r][n]);
+      const Reg v = load(vl + n * W);
+      for (int r = 0; r < R; ++r) acc[r][n] = fma(Vec(p[r * L + l]), v, acc[r][n]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) acc[r][n].store(o + r * D + n * W);
+    for (int n = 0; n < NV; ++n) (Vec(acc[r][n]) * Vec(inv[r])).store(o + r * D + n * W);
 }
 
-// A whole group of G rows, at most 4 at a time (4 x NV accumulators): scores, or (`values`) the weighted sum.
+// A whole group of G rows, at most 4 at a time (4 x NV accumulators): scores, or (given `inv`, each row's 1 / sum of
+// its probabilities) the weighted sum.
 template <int NV, typename T>
-static void group(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t G, int64_t L, float* p, float* o,
-                  int64_t D, bool values, const Keys<T>* next) {
+static void group(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t G, int64_t L, float* p,
+                  const float* inv, float* o, int64_t D, const Keys<T>* next) {
   for (int64_t j = 0; j < G; j += 4) {
     const int64_t R = std::min<int64_t>(4, G - j);
-    if (!values) {
+    if (!inv) {
       auto f = R == 4 ? group_scores<NV, 4, T> : R == 3 ? group_scores<NV, 3, T> : R == 2 ? group_scores<NV, 2, T>
                                                                                           : group_scores<NV, 1, T>;
       f(q + j * qs, qs, kv, sc, L, p + j * L, j ? nullptr : next);
     } else {
       auto f = R == 4 ? group_values<NV, 4, T> : R == 3 ? group_values<NV, 3, T> : R == 2 ? group_values<NV, 2, T>
                                                                                           : group_values<NV, 1, T>;
-      f(p + j * L, kv, L, o + j * D, D, j ? nullptr : next);
+      f(p + j * L, inv + j, kv, L, o + j * D, D, j ? nullptr : next);
     }
   }
 }
@@ -148,16 +159,16 @@ static inline const float* as_float(const at::BFloat16* row, int64_t D, float* b
 // The same for any head dim, one row and one key at a time.
 template <typename T>
 static void group_any(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t G, int64_t L, float* p,
-                      float* o, int64_t D, bool values, const Keys<T>*) {
-  if (values) std::fill_n(o, G * D, 0.f);
+                      const float* inv, float* o, int64_t D, const Keys<T>*) {
+  if (inv) std::fill_n(o, G * D, 0.f);
   std::vector<float> buf(D);
   for (int64_t j = 0; j < G; ++j)
     for (int64_t l = 0; l < L; ++l) {
-      if (!values)
+      if (!inv)
         p[j * L + l] =
             kv.masked(l) ? kv.b[l] : dot(q + j * qs, as_float(kv.key(l), D, buf.data()), D) * sc + kv.bias(l);
       else if (!kv.masked(l))
-        axpy(p[j * L + l], as_float(kv.value(l), D, buf.data()), o + j * D, D);
+        axpy(p[j * L + l] * inv[j], as_float(kv.value(l), D, buf.data()), o + j * D, D);
     }
 }
 
@@ -184,6 +195,26 @@ static GroupFn<T> group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 
 // 29.9 against 19.5 at 300).
 constexpr int64_t WORK = 4 * GRAIN;
 
+// A row of n scores -> exp(score - their largest), in place; 1 / the sum of those.
+static inline float exp_row(float* r, int64_t n) {
+  const Vec m(at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, n));
+  Vec sum(0.f);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec e = (Vec::loadu(r + i) - m).exp();
+    e.store(r + i);
+    sum = sum + e;
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+  if (i < n) {  // the last n - i scores: their lanes alone summed
+    float e[W];
+    (Vec::loadu(r + i, n - i) - m).exp().store(e);
+    std::copy_n(e, n - i, r + i);
+    for (int64_t k = 0; k < n - i; ++k) s += e[k];
+  }
+  return 1.f / s;
+}
+
 // softmax(scale * q k^T + bias) v for q [S, H, D] (rows may be strided), the keys of (query s, kv head h) given by
 // `keys(s, h)` (at most L of them); [S, H, D].
 template <typename T, typename KeysOf>
@@ -195,7 +226,7 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
   const float sc = static_cast<float>(scale);
   const GroupFn<T> fn = group_for<T>(D);
   parallel(0, S * KV, std::max<int64_t>(1, WORK / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
-    std::vector<float> p(G * L);  // [G, n] scores, then probabilities
+    std::vector<float> p(G * L), inv(G);  // [G, n] scores, then unnormalised probabilities; 1 / each row's sum
     for (int64_t i = begin; i < end; ++i) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;
       const float* qb = qp + s * q.stride(0) + h * G * q.stride(1);
@@ -203,15 +234,9 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
       const Keys<T>* next = i + 1 < end ? &nk : nullptr;
       const int64_t n = kv.n;
       float* ob = op + (s * H + h * G) * D;
-      fn(qb, q.stride(1), kv, sc, G, n, p.data(), ob, D, false, next);
-      for (int64_t j = 0; j < G; ++j) {  // softmax over each row, in place
-        float* r = p.data() + j * n;
-        const float m = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, n);
-        at::vec::map([m](Vec x) { return (x - Vec(m)).exp(); }, r, r, n);
-        const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r, n);
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, r, r, n);
-      }
-      fn(qb, q.stride(1), kv, sc, G, n, p.data(), ob, D, true, next);
+      fn(qb, q.stride(1), kv, sc, G, n, p.data(), nullptr, ob, D, next);
+      for (int64_t j = 0; j < G; ++j) inv[j] = exp_row(p.data() + j * n, n);
+      fn(qb, q.stride(1), kv, sc, G, n, p.data(), inv.data(), ob, D, next);
     }
   });
   return out;
@@ -253,8 +278,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     using T = decltype(zero);
     const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     return attend<T>(q, k.size(1), L, scale, [&](int64_t s, int64_t h) {
+      const float* b = bp ? bp + s * bs : nullptr;
+      int64_t n = L;  // keys up to the last unmasked one: a shorter sequence's masked tail is not even scored
+      while (b && n > 1 && b[n - 1] == -std::numeric_limits<float>::infinity()) --n;
       return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
-                     v.stride(2), nullptr, bp ? bp + s * bs : nullptr, L};
+                     v.stride(2), nullptr, b, n};
     });
   });
 }

@@ -22,6 +22,8 @@ using Opt = std::optional<at::Tensor>;
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
+at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor bf16_silu_mul(const at::Tensor& gu);
 
 #define NAMED(name) RECORD_FUNCTION("lab::" name, std::vector<c10::IValue>())  // a span the profiler sees
 
@@ -79,9 +81,15 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
   TORCH_CHECK(false, "layer: unknown product kind ", kind);
 }
 
-static at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+// The input of a product of `kind`: a bf16 product's already rounded to bf16 (the rounding it would do itself).
+static at::Tensor norm(int64_t kind, const at::Tensor& x, const at::Tensor& w, double eps) {
   NAMED("rms_norm");
-  return rms_norm(x, w, eps);
+  return kind == BF16 ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
+}
+
+static at::Tensor silu(int64_t kind, const at::Tensor& gu) {
+  NAMED("silu_mul");
+  return kind == BF16 ? bf16_silu_mul(gu) : silu_mul(gu);
 }
 
 // x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down
@@ -98,7 +106,7 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
   const auto p = [&](int j, const at::Tensor& in, const std::optional<at::Tensor>& residual) {
     return product(kinds[j], in, *weights[2 + 3 * j], weights[3 + 3 * j], weights[4 + 3 * j], residual);
   };
-  const at::Tensor qkv = p(0, norm(x, w(0), eps), std::nullopt);
+  const at::Tensor qkv = p(0, norm(kinds[0], x, w(0), eps), std::nullopt);
   at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
   {
     NAMED("rotary_");
@@ -124,13 +132,8 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
     attn = decode_attention(q, kv, vv, b, scale);
   }
   const at::Tensor h = p(1, attn.reshape({T, heads * D}), x);
-  const at::Tensor gu = p(2, norm(h, w(1), eps), std::nullopt);
-  at::Tensor a;
-  {
-    NAMED("silu_mul");
-    a = silu_mul(gu);
-  }
-  return p(3, a, h);
+  const at::Tensor gu = p(2, norm(kinds[2], h, w(1), eps), std::nullopt);
+  return p(3, silu(kinds[3], gu), h);
 }
 
 // Layer i of the stack: weights[14 i, 14 i + 14), kinds[4 i, 4 i + 4), k_caches[i], v_caches[i]; the rest as above.

@@ -14,14 +14,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* r = xp + t * xs;
-      float* o = op + t * N;
-      const float inv = 1.f / std::sqrt(dot(r, r, N) / N + static_cast<float>(eps));
-      int64_t d = 0;
-      for (; d + W <= N; d += W) (Vec::loadu(r + d) * Vec(inv) * Vec::loadu(wp + d)).store(o + d);
-      for (; d < N; ++d) o[d] = r[d] * inv * wp[d];
-    }
+    for (int64_t t = begin; t < end; ++t) norm_row(xp + t * xs, wp, N, static_cast<float>(eps), op + t * N);
   });
   return out;
 }
@@ -35,16 +28,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   parallel(0, T, std::max<int64_t>(1, GRAIN / I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *g = gp + t * gs, *u = g + I;
-      float* o = op + t * I;
-      int64_t d = 0;
-      for (; d + W <= I; d += W) {
-        Vec x = Vec::loadu(g + d);
-        (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + d)).store(o + d);
-      }
-      for (; d < I; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
-    }
+    for (int64_t t = begin; t < end; ++t) silu_row(gp + t * gs, gp + t * gs + I, I, op + t * I);
   });
   return out;
 }
@@ -98,7 +82,7 @@ void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) 
   const auto copy = [&](auto* dp) {
     parallel(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)  // float -> at::BFloat16 rounds to nearest even, as Tensor.to does
-        std::copy_n(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), D, dp + r[i] * D);
+        at::vec::convert(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), dp + r[i] * D, D);
     });
   };
   if (dst.scalar_type() == at::kBFloat16)
@@ -121,6 +105,8 @@ TORCH_LIBRARY(lab, m) {
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");  // bf16 products: engine/bf16.cpp
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");  // rms_norm and silu_mul rounded to bf16
+  m.def("bf16_silu_mul(Tensor gu) -> Tensor");
   m.def("layers(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "  // layer.cpp
         "Tensor(b!)[] v_caches, Tensor rows, Tensor? spans, Tensor? key_rows, Tensor? bias, int seats, int length, "
         "int heads, float eps, float scale) -> Tensor");

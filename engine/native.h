@@ -40,6 +40,24 @@ static inline void axpy(float a, const float* x, float* y, int64_t n) {  // y +=
   for (; d < n; ++d) y[d] += a * x[d];
 }
 
+// o [N] = r * rsqrt(mean(r^2) + eps) * w: one row of an RMS norm.
+static inline void norm_row(const float* r, const float* w, int64_t N, float eps, float* o) {
+  const float inv = 1.f / std::sqrt(dot(r, r, N) / N + eps);
+  int64_t d = 0;
+  for (; d + W <= N; d += W) (Vec::loadu(r + d) * Vec(inv) * Vec::loadu(w + d)).store(o + d);
+  for (; d < N; ++d) o[d] = r[d] * inv * w[d];
+}
+
+// o [I] = silu(g) * u: one row of SiLU x up.
+static inline void silu_row(const float* g, const float* u, int64_t I, float* o) {
+  int64_t d = 0;
+  for (; d + W <= I; d += W) {
+    Vec x = Vec::loadu(g + d);
+    (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + d)).store(o + d);
+  }
+  for (; d < I; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
+}
+
 // f(begin, end) over [begin, end) in contiguous chunks, one per thread (torch's number, at most one per `grain`):
 // one OpenMP region, without at::parallel_for's per-call copy of thread-local state (the fused kernels need none).
 template <class Fn>

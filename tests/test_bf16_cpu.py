@@ -1,7 +1,7 @@
 """precision=bf16's CPU product (engine/bf16.cpp, where the CPU has AVX512-BF16): x rounded to bf16 (nearest even),
 times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of each sum, whatever the
 shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does not depend on the rows
-beside it."""
+beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
 import pytest
 import torch
 
@@ -43,3 +43,18 @@ def test_a_row_is_the_same_bits_alone_or_among_others():
     together = lab.bf16_linear(x, packed, 100, None, None)
     for i in (0, 5, 63):
         assert torch.equal(lab.bf16_linear(x[i:i + 1], packed, 100, None, None), together[i:i + 1])
+
+
+@pytest.mark.parametrize("t,k", [(1, 576), (7, 96), (64, 576), (64, 1536)])
+def test_inputs_rounded_by_the_norm_or_silu_give_the_same_bits(t, k):
+    g = torch.Generator().manual_seed(t + k)
+    w, x = torch.randn(48, k, generator=g), torch.randn(t, k + 8, generator=g)[:, 4:k + 4]  # x strided
+    ln, gu = torch.rand(k, generator=g) + 0.5, torch.randn(t, 2 * k, generator=g)
+    packed = lab.bf16_pack(w)
+    for fp32, rounded in ((lab.rms_norm(x, ln, 1e-5), lab.bf16_rms_norm(x, ln, 1e-5)),
+                          (lab.silu_mul(gu), lab.bf16_silu_mul(gu))):
+        assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, fp32.bfloat16())
+        product = lab.bf16_linear(rounded, packed, 48, None, None)
+        assert torch.equal(product, lab.bf16_linear(fp32, packed, 48, None, None))
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        lab.bf16_linear(torch.zeros(4, 2 * k, dtype=torch.bfloat16)[:, :k], packed, 48, None, None)
