@@ -227,10 +227,11 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
   const GroupFn<T> fn = group_for<T>(D);
   parallel(0, S * KV, std::max<int64_t>(1, WORK / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * L), inv(G);  // [G, n] scores, then unnormalised probabilities; 1 / each row's sum
-    for (int64_t i = begin; i < end; ++i) {  // group i: query i / KV, kv head i % KV
+    Keys<T> kv = keys(begin / KV, begin % KV), nk = kv;  // this group's keys, then the next's (each found once)
+    for (int64_t i = begin; i < end; ++i, kv = nk) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;
       const float* qb = qp + s * q.stride(0) + h * G * q.stride(1);
-      const Keys<T> kv = keys(s, h), nk = i + 1 < end ? keys((i + 1) / KV, (i + 1) % KV) : kv;  // this and next
+      if (i + 1 < end) nk = keys((i + 1) / KV, (i + 1) % KV);
       const Keys<T>* next = i + 1 < end ? &nk : nullptr;
       const int64_t n = kv.n;
       float* ob = op + (s * H + h * G) * D;
