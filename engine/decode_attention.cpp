@@ -201,14 +201,14 @@ static inline float exp_row(float* r, int64_t n) {
   Vec sum(0.f);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const Vec e = (Vec::loadu(r + i) - m).exp();
+    const Vec e = fast_exp(Vec::loadu(r + i) - m);
     e.store(r + i);
     sum = sum + e;
   }
   float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
   if (i < n) {  // the last n - i scores: their lanes alone summed
     float e[W];
-    (Vec::loadu(r + i, n - i) - m).exp().store(e);
+    fast_exp(Vec::loadu(r + i, n - i) - m).store(e);
     std::copy_n(e, n - i, r + i);
     for (int64_t k = 0; k < n - i; ++k) s += e[k];
   }
@@ -282,6 +282,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const float* b = bp ? bp + s * bs : nullptr;
       int64_t n = L;  // keys up to the last unmasked one: a shorter sequence's masked tail is not even scored
       while (b && n > 1 && b[n - 1] == -std::numeric_limits<float>::infinity()) --n;
+      if (b && std::all_of(b, b + n, [](float x) { return x == 0.f; })) b = nullptr;  // no mask left: no checks
       return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
                      v.stride(2), nullptr, b, n};
     });
