@@ -195,20 +195,40 @@ static GroupFn<T> group_for(int64_t D) {  // head dims of 1 to 8 vectors (16 to 
 // 29.9 against 19.5 at 300).
 constexpr int64_t WORK = 4 * GRAIN;
 
+// exp(x) for x <= 0 (a score less its row's largest), inlined (ATen's calls a library function): x = n ln2 + r
+// (|r| <= ln2 / 2, ln2 in two parts), exp(r) by Cephes' degree-6 polynomial (within about 1 ulp), times 2^n by
+// scalef (0 below -104; NaN stays NaN).
+static inline Vec exp_le0(Vec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.f), v);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+#else
+  return v.exp();
+#endif
+}
+
 // A row of n scores -> exp(score - their largest), in place; 1 / the sum of those.
 static inline float exp_row(float* r, int64_t n) {
   const Vec m(at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r, n));
   Vec sum(0.f);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const Vec e = fast_exp(Vec::loadu(r + i) - m);
+    const Vec e = exp_le0(Vec::loadu(r + i) - m);
     e.store(r + i);
     sum = sum + e;
   }
   float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
   if (i < n) {  // the last n - i scores: their lanes alone summed
     float e[W];
-    fast_exp(Vec::loadu(r + i, n - i) - m).store(e);
+    exp_le0(Vec::loadu(r + i, n - i) - m).store(e);
     std::copy_n(e, n - i, r + i);
     for (int64_t k = 0; k < n - i; ++k) s += e[k];
   }

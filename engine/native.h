@@ -15,9 +15,6 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
@@ -51,31 +48,12 @@ static inline void norm_row(const float* r, const float* w, int64_t N, float eps
   for (; d < N; ++d) o[d] = r[d] * inv * w[d];
 }
 
-// exp(x), inlined (ATen's calls a library function): x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by
-// Cephes' degree-6 polynomial (within about 1 ulp), times 2^n by scalef (0 below -104, inf above 88.7; NaN kept).
-static inline Vec fast_exp(Vec v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.f), v);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-#else
-  return v.exp();
-#endif
-}
-
 // o [I] = silu(g) * u: one row of SiLU x up.
 static inline void silu_row(const float* g, const float* u, int64_t I, float* o) {
   int64_t d = 0;
   for (; d + W <= I; d += W) {
     Vec x = Vec::loadu(g + d);
-    (x / (Vec(1.f) + fast_exp(x.neg())) * Vec::loadu(u + d)).store(o + d);
+    (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + d)).store(o + d);
   }
   for (; d < I; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
 }
