@@ -86,6 +86,26 @@ def test_decode_attention_equals_softmax_attention(heads, kv, d, masked):
     torch.testing.assert_close(lab.decode_attention(q, k, v, bias, 0.125), want)
 
 
+@needs_lab
+def test_a_zero_bias_reads_as_none_and_far_scores_weigh_nothing():
+    """A bias of zeros (the tail mask of a batch whose sequences are all as long) gives the very bits of no bias;
+    keys scored far below the best (exp arguments down to -400, past -104 where the softmax's exp gives 0) weigh
+    nothing and the rest weigh as in fp64 within a few ulp (scores exact: -l / 2 for keys l < 20, -200 - l past them;
+    value l the l-th unit vector, so the output is the weights)."""
+    g = torch.Generator().manual_seed(7)
+    S, KV, H, L, D = 3, 2, 6, 41, 64
+    q, k, v = (torch.randn(S, n, *rest, D, generator=g) for n, rest in ((H, ()), (KV, (L,)), (KV, (L,))))
+    assert torch.equal(lab.decode_attention(q, k, v, torch.zeros(S, L), 0.125),
+                       lab.decode_attention(q, k, v, None, 0.125))
+    q, k, v = torch.zeros(S, H, D), torch.zeros(S, KV, L, D), torch.eye(L, D).expand(S, KV, L, D)
+    j = torch.arange(L, dtype=torch.float32)
+    q[..., 0], k[..., 0] = 1.0, torch.where(j < 20, -j / 2, -200 - j)
+    weights = lab.decode_attention(q, k, v, None, 1.0)[..., :L]  # value l is the l-th unit vector
+    want = torch.softmax(torch.where(j < 20, -j / 2, -200 - j).double(), 0)
+    assert (weights[..., 20:] == 0).all()
+    assert ((weights[..., :20] - want[:20]).abs() / want[:20]).max() < 4e-7  # a few ulp
+
+
 def each_token_alone(q, k, v, spans, scale):
     """Reference: token t's query heads against keys [first, end) of its sequence, k and v [S, KV, L, D]."""
     return torch.cat([reference_attention(q[t:t + 1], k[s:s + 1, :, a:b], v[s:s + 1, :, a:b], None, scale)
