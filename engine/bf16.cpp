@@ -123,7 +123,7 @@ at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, "x");
   check(w, "w");
   TORCH_CHECK(bf16_native(), "bf16_rms_norm: this CPU has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm: x [T, N] and w [N] are needed");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "bf16_rms_norm: x [T, N] and w [N] are needed");
 #if defined(LAB_BF16)
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   const int64_t N = x.size(1), xs = x.stride(0);
@@ -140,7 +140,7 @@ at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 at::Tensor bf16_silu_mul(const at::Tensor& gu) {
   check(gu, "gu");
   TORCH_CHECK(bf16_native(), "bf16_silu_mul: this CPU has no AVX512-BF16");
-  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "silu_mul: gu [T, 2I] is needed");
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "bf16_silu_mul: gu [T, 2I] is needed");
 #if defined(LAB_BF16)
   const float* gp = gu.data_ptr<float>();
   const int64_t I = gu.size(1) / 2, gs = gu.stride(0);

@@ -294,17 +294,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
     bp = bias->data_ptr<float>();
   }
-  const int64_t bs = bp ? bias->stride(0) : 0;
+  // Each sequence's keys up to its last unmasked one (a shorter sequence's masked tail is not even scored) and its
+  // bias row, dropped where none of those keys is masked (no per-key checks then): found once for all kv heads.
+  std::vector<int64_t> lens(S, L);
+  std::vector<const float*> rows(S, nullptr);
+  for (int64_t s = 0; bp && s < S; ++s) {
+    const float* b = bp + s * bias->stride(0);
+    while (lens[s] > 1 && b[lens[s] - 1] == -std::numeric_limits<float>::infinity()) --lens[s];
+    if (!std::all_of(b, b + lens[s], [](float x) { return x == 0.f; })) rows[s] = b;
+  }
   return by_cache_type(k, [&](auto zero) {
     using T = decltype(zero);
     const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     return attend<T>(q, k.size(1), L, scale, [&](int64_t s, int64_t h) {
-      const float* b = bp ? bp + s * bs : nullptr;
-      int64_t n = L;  // keys up to the last unmasked one: a shorter sequence's masked tail is not even scored
-      while (b && n > 1 && b[n - 1] == -std::numeric_limits<float>::infinity()) --n;
-      if (b && std::all_of(b, b + n, [](float x) { return x == 0.f; })) b = nullptr;  // no mask left: no checks
       return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
-                     v.stride(2), nullptr, b, n};
+                     v.stride(2), nullptr, rows[s], lens[s]};
     });
   });
 }
