@@ -91,8 +91,47 @@ void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) 
     copy(dst.data_ptr<float>());
 }
 
+// x [T, N] (rows may be strided) -> each row's index of its first maximum, int64 [T]: torch.argmax(dim=-1)'s
+// choice (a NaN counts as the maximum), in two vectorized passes over the row (its maximum, then where it first is)
+// instead of argmax's index-tracking loop.
+at::Tensor first_argmax(const at::Tensor& x) {
+  check(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "first_argmax: x [T, N] with N > 0 is needed");
+  const int64_t T = x.size(0), N = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* r = xp + t * xs;
+      const auto most = [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); };  // NaN wins
+      Vec a[4] = {Vec(-INFINITY), Vec(-INFINITY), Vec(-INFINITY), Vec(-INFINITY)};  // four chains of maxima
+      int64_t i = 0;
+      for (; i + 4 * W <= N; i += 4 * W)
+        for (int j = 0; j < 4; ++j) a[j] = most(a[j], Vec::loadu(r + i + j * W));
+      for (; i + W <= N; i += W) a[0] = most(a[0], Vec::loadu(r + i));
+      float m = at::vec::vec_reduce_all<float>(most, most(most(a[0], a[1]), most(a[2], a[3])));
+      for (; i < N; ++i) m = std::isnan(r[i]) || r[i] > m ? r[i] : m;
+      i = 0;
+      if (std::isnan(m)) {  // the first NaN is the answer
+        while (!std::isnan(r[i])) ++i;
+      } else {
+        const Vec mv(m);
+        for (; i + W <= N; i += W) {
+          const int missing = Vec::loadu(r + i).eq(mv).zero_mask();  // bit l: lane l is not the maximum
+          if (missing != (1 << W) - 1) break;
+        }
+        while (r[i] != m) ++i;  // within the vector found, or the tail
+      }
+      op[t] = i;
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY(lab, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("first_argmax(Tensor x) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
@@ -114,6 +153,7 @@ TORCH_LIBRARY(lab, m) {
 
 TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the two attention kernels are registered in engine/decode_attention.cpp
   m.impl("rms_norm", rms_norm);
+  m.impl("first_argmax", first_argmax);
   m.impl("silu_mul", silu_mul);
   m.impl("rotary_", rotary_);
   m.impl("write_rows_", write_rows_);

@@ -9,12 +9,16 @@ the GPU), so sampling reads nothing back from the device but the chosen ids.
 """
 import torch
 
+from engine import native
 from engine.device import to_device
 
 
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """argmax over the last dim (the first maximum, as torch.argmax) by block maxima: argmax's index-tracking loop
-    is not vectorized; amax is."""
+    """argmax over the last dim (the first maximum, as torch.argmax): fp32 on a CPU by the fused kernel, else by
+    block maxima (argmax's index-tracking loop is not vectorized; amax is)."""
+    ops = native.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if ops is not None:
+        return ops.first_argmax(x)
     rows, n = x.shape
     if n % block or n == block:
         return x.argmax(dim=-1)
