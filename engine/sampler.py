@@ -16,7 +16,7 @@ from engine.device import to_device
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """argmax over the last dim (the first maximum, as torch.argmax): fp32 on a CPU by the fused kernel, else by
     block maxima (argmax's index-tracking loop is not vectorized; amax is)."""
-    ops = native.ops() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    ops = native.ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 else None
     if ops is not None:
         return ops.first_argmax(x)
     rows, n = x.shape
