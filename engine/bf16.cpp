@@ -109,7 +109,7 @@ template <typename Row>
 static at::Tensor bf16_rows(const at::Tensor& like, int64_t T, int64_t N, const Row& row) {
   at::Tensor out = at::empty({T, N}, like.options().dtype(at::kBFloat16));
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+  parallel(0, T, grain_of(N), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(N);
     for (int64_t t = begin; t < end; ++t) to_bf16(row(t, buf.data()), op + t * N, N);
   });

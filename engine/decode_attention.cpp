@@ -245,7 +245,8 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const GroupFn<T> fn = group_for<T>(D);
-  parallel(0, S * KV, std::max<int64_t>(1, WORK / (2 * G * L * D)), [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, WORK / std::max<int64_t>(1, 2 * G * L * D));  // groups per thread
+  parallel(0, S * KV, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * L), inv(G);  // [G, n] scores, then unnormalised probabilities; 1 / each row's sum
     Keys<T> kv = keys(begin / KV, begin % KV), nk = kv;  // this group's keys, then the next's (each found once)
     for (int64_t i = begin; i < end; ++i, kv = nk) {  // group i: query i / KV, kv head i % KV
@@ -285,8 +286,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   check(q, "q");
   check_cache(k, v, "decode_attention");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
-                  q.size(2) == k.size(3) && q.size(1) % k.size(1) == 0,
-              "decode_attention: q [S, H, D], k and v [S, KV, L, D] are needed");
+                  q.size(2) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
+              "decode_attention: q [S, H, D], k and v [S, KV, L, D] (KV dividing H, L at least 1) are needed");
   const int64_t S = q.size(0), L = k.size(2);
   const float* bp = nullptr;
   if (bias.has_value()) {
@@ -321,10 +322,11 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const std::optional<at::Tensor>& rows, double scale) {
   check(q, "q");
   check_cache(k, v, "token_attention");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(2) == k.size(3) &&
-                  q.size(1) % k.size(1) == 0 && spans.dim() == 2 && spans.size(0) == q.size(0) &&
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(2) == k.size(3) && k.size(3) > 0 &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0 && spans.dim() == 2 && spans.size(0) == q.size(0) &&
                   spans.size(1) == 3 && spans.is_contiguous() && spans.scalar_type() == at::kLong,
-              "token_attention: q [T, H, D], k and v [B, KV, P, D], spans [T, 3] contiguous int64 are needed");
+              "token_attention: q [T, H, D], k and v [B, KV, P, D] (KV dividing H, D at least 1), spans [T, 3] "
+              "contiguous int64 are needed");
   const int64_t T = q.size(0), KV = k.size(1);
   const int64_t* sp = spans.data_ptr<int64_t>();
   const int64_t *rp = nullptr, Sq = rows ? rows->size(0) : k.size(0), L = rows ? rows->size(2) : k.size(2);

@@ -13,7 +13,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::Tensor out = at::empty({T, N}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+  parallel(0, T, grain_of(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row(xp + t * xs, wp, N, static_cast<float>(eps), op + t * N);
   });
   return out;
@@ -27,7 +27,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   at::Tensor out = at::empty({T, I}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  parallel(0, T, std::max<int64_t>(1, GRAIN / I), [&](int64_t begin, int64_t end) {
+  parallel(0, T, grain_of(I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) silu_row(gp + t * gs, gp + t * gs + I, I, op + t * I);
   });
   return out;
@@ -45,7 +45,7 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t qs = qk.stride(0), hs = qk.stride(1), cs = cos.stride(0), ss = sin.stride(0);
   float* qp = qk.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  parallel(0, T, std::max<int64_t>(1, GRAIN / (Hd * D)), [&](int64_t begin, int64_t end) {
+  parallel(0, T, grain_of(Hd * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *c = cp + t * cs, *s = sp + t * ss;
       for (int64_t j = 0; j < Hd; ++j) {
@@ -80,7 +80,7 @@ void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) 
   for (int64_t i = 0; i < T * Hd; ++i) TORCH_CHECK(r[i] >= 0 && r[i] < N, "write_rows_: row ", r[i], " out of range");
   const float* sp = src.data_ptr<float>();
   const auto copy = [&](auto* dp) {
-    parallel(0, T * Hd, std::max<int64_t>(1, GRAIN / D), [&](int64_t begin, int64_t end) {
+    parallel(0, T * Hd, grain_of(D), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)  // float -> at::BFloat16 rounds to nearest even, as Tensor.to does
         at::vec::convert(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), dp + r[i] * D, D);
     });
@@ -101,7 +101,7 @@ at::Tensor first_argmax(const at::Tensor& x) {
   at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  parallel(0, T, std::max<int64_t>(1, GRAIN / N), [&](int64_t begin, int64_t end) {
+  parallel(0, T, grain_of(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* r = xp + t * xs;
       const auto most = [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); };  // NaN wins

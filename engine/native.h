@@ -20,6 +20,11 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t GRAIN = 1 << 15;  // floats of work below which a loop stays on one thread
 
+// Items per thread at least, for items of `work` floats each: GRAIN's worth, at least one (an empty item counts one).
+static inline int64_t grain_of(int64_t work) {
+  return std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, work));
+}
+
 static inline void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, ": a float32 CPU tensor is needed");
   TORCH_CHECK(t.stride(-1) == 1, name, ": its last dimension must be contiguous");

@@ -315,7 +315,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
   };
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t full = N / TILE, rest = N % TILE;  // whole tiles; rows of the last one, if partial
-  parallel(0, (N + TILE - 1) / TILE, std::max<int64_t>(1, GRAIN / (TILE * K * std::max<int64_t>(1, T))),
+  parallel(0, (N + TILE - 1) / TILE, grain_of(TILE * K * std::max<int64_t>(1, T)),
            [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> last;  // the partial tile widened to 16 rows (zeros)
     if (end > full) {

@@ -4,6 +4,7 @@ on ATen's operators."""
 import logging
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,6 +177,40 @@ def test_kernels_refuse_what_they_do_not_compute():
     with pytest.raises(RuntimeError, match="rows span \\[0, 12\\], beyond the cache's 12"):  # paged rows
         lab.token_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([[0, 0, 4]]), torch.arange(13)[9:].view(1, 1, 4),
                             1.0)
+
+
+EMPTY = """
+import torch
+from engine import native
+lab, z = native.ops(), torch.zeros
+assert lab.rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.silu_mul(z(2, 0)).shape == (2, 0)
+lab.rotary_(z(1, 0, 4), z(1, 4), z(1, 4))
+assert lab.first_argmax(z(0, 5)).shape == (0,)
+if lab.bf16_native():
+    assert lab.bf16_rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.bf16_silu_mul(z(2, 0)).shape == (2, 0)
+for q, kv in [(z(1, 3, 8), z(1, 1, 0, 8)), (z(1, 3, 8), z(1, 0, 4, 8))]:  # no keys; no kv heads
+    try:
+        lab.decode_attention(q, kv, kv, None, 1.0)
+        raise SystemExit("decode_attention took an empty cache")
+    except RuntimeError as e:
+        assert "L at least 1" in str(e), e
+no_dim = (z(1, 3, 0), z(1, 1, 4, 0), torch.zeros(1, 1, 4, dtype=torch.long))  # a paged cache's rows
+for q, kv, rows in [no_dim, (z(1, 3, 8), z(1, 0, 4, 8), None)]:
+    try:
+        lab.token_attention(q, kv, kv, torch.tensor([[0, 0, 1]]), rows, 1.0)
+        raise SystemExit("token_attention took an empty head")
+    except RuntimeError as e:
+        assert "D at least 1" in str(e), e
+print("ok")
+"""
+
+
+@needs_lab
+def test_empty_sizes_give_empty_results_or_a_clear_error():
+    """Rows of no values, caches of no keys or heads: an empty result or a RuntimeError, never a division by zero
+    that kills the process (run apart, so a crash fails this test alone)."""
+    out = subprocess.run([sys.executable, "-c", EMPTY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr[-2000:])
 
 
 @pytest.mark.slow
