@@ -245,8 +245,7 @@ static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scal
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const GroupFn<T> fn = group_for<T>(D);
-  const int64_t grain = std::max<int64_t>(1, WORK / std::max<int64_t>(1, 2 * G * L * D));  // groups per thread
-  parallel(0, S * KV, grain, [&](int64_t begin, int64_t end) {
+  parallel(0, S * KV, grain_of(2 * G * L * D, WORK), [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * L), inv(G);  // [G, n] scores, then unnormalised probabilities; 1 / each row's sum
     Keys<T> kv = keys(begin / KV, begin % KV), nk = kv;  // this group's keys, then the next's (each found once)
     for (int64_t i = begin; i < end; ++i, kv = nk) {  // group i: query i / KV, kv head i % KV

@@ -101,10 +101,10 @@ at::Tensor first_argmax(const at::Tensor& x) {
   at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
+  const auto most = [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); };  // NaN wins
   parallel(0, T, grain_of(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* r = xp + t * xs;
-      const auto most = [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); };  // NaN wins
       Vec a[4] = {Vec(-INFINITY), Vec(-INFINITY), Vec(-INFINITY), Vec(-INFINITY)};  // four chains of maxima
       int64_t i = 0;
       for (; i + 4 * W <= N; i += 4 * W)

@@ -20,9 +20,10 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
 constexpr int64_t GRAIN = 1 << 15;  // floats of work below which a loop stays on one thread
 
-// Items per thread at least, for items of `work` floats each: GRAIN's worth, at least one (an empty item counts one).
-static inline int64_t grain_of(int64_t work) {
-  return std::max<int64_t>(1, GRAIN / std::max<int64_t>(1, work));
+// Items per thread at least, for items of `work` floats each: `per` floats' worth, at least one (an empty item
+// counts one).
+static inline int64_t grain_of(int64_t work, int64_t per = GRAIN) {
+  return std::max<int64_t>(1, per / std::max<int64_t>(1, work));
 }
 
 static inline void check(const at::Tensor& t, const char* name) {

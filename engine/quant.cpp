@@ -289,7 +289,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
   const float* xp = x.data_ptr<float>();
   float *sp = xs.data_ptr<float>(), *ep = sp + T * Kb, *kp = xk.data_ptr<float>();
   int8_t* qp = reinterpret_cast<int8_t*>(kp);
-  parallel(0, T * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
+  parallel(0, T * Kb, grain_of(QK), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block b of row t
       const int64_t t = i / Kb, b = i % Kb;
       const float* xb = xp + t * x.stride(0) + b * QK;
@@ -356,7 +356,7 @@ at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
   at::Tensor out = at::empty({n, Kb * QK}, w.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  parallel(0, n * Kb, GRAIN / QK, [&](int64_t begin, int64_t end) {
+  parallel(0, n * Kb, grain_of(QK), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block i % Kb of row ids[i / Kb]
       const int64_t row = ip[i / Kb], b = i % Kb, rows = std::min(TILE, N - row / TILE * TILE), r = row % TILE;
       const uint8_t* p = wp + row / TILE * TILE * Kb * Q8_0::B + b * rows * Q8_0::B;
