@@ -1,7 +1,8 @@
-// Attention for the fused kernels (torch.ops.lab.decode_attention and token_attention; schemas in engine/native.cpp):
-// each (query token, kv head) reads its keys once for all query heads of its GQA group, masked keys never read, the
-// next group's keys and values prefetched meanwhile. The cache holds fp32 or bf16 (read as fp32: exact); q, the
-// scores, the softmax and the output are fp32; the softmax's division is applied once to each output row.
+// Attention for the fused kernels (torch.ops.lab.decode_attention, rotary_decode_attention and token_attention;
+// schemas in engine/native.cpp): each (query token, kv head) reads its keys once for all query heads of its GQA group,
+// masked keys never read, the next group's keys and values prefetched meanwhile. The cache holds fp32 or bf16 (read
+// as fp32: exact); q, the scores, the softmax and the output are fp32; the softmax's division is applied once to each
+// output row.
 #include "native.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -51,29 +52,99 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+using Reg = __m512;  // accumulators as bare registers (arrays of Vec are kept in memory)
+static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+#else
+using Reg = Vec;
+static inline Reg fma(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
+#endif
+
+// Whether rows of NV vectors of T are read split (bf16 with AVX-512, NV even): each 32 values at once, their evens
+// in one vector and their odds in the next (a shift and a mask, both exact, instead of a widening shuffle per 16
+// values); queries and outputs are then split and merged to match. Otherwise in order, W values a vector.
+template <int NV, typename T>
+constexpr bool split() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return std::is_same_v<T, at::BFloat16> && NV % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+// A cache row's NV vectors as fp32, in the order split<NV, T>() gives.
+template <int NV, typename T>
+static inline void row(const T* p, Reg (&v)[NV]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (split<NV, T>()) {
+    for (int m = 0; m < NV / 2; ++m) {
+      const __m512i x = _mm512_loadu_si512(p + 32 * m);  // lane i: value 2i in its low half, 2i + 1 in its high
+      v[2 * m] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * m + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+    return;
+  }
+#endif
+  for (int n = 0; n < NV; ++n) v[n] = load(p + n * W);
+}
+
+// A query row of NV vectors (fp32), in the order its keys are read.
+template <int NV, typename T>
+static inline void query(const float* q, Reg (&v)[NV]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (split<NV, T>()) {
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int m = 0; m < NV / 2; ++m) {
+      const __m512 a = _mm512_loadu_ps(q + 32 * m), b = _mm512_loadu_ps(q + 32 * m + 16);
+      v[2 * m] = _mm512_permutex2var_ps(a, evens, b);
+      v[2 * m + 1] = _mm512_permutex2var_ps(a, odds, b);
+    }
+    return;
+  }
+#endif
+  for (int n = 0; n < NV; ++n) v[n] = Vec::loadu(q + n * W);
+}
+
+// o [NV * W] = v * c, v in the order rows are read.
+template <int NV, typename T>
+static inline void store(const Reg (&v)[NV], float c, float* o) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (split<NV, T>()) {
+    const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int m = 0; m < NV / 2; ++m) {
+      _mm512_storeu_ps(o + 32 * m, _mm512_mul_ps(_mm512_permutex2var_ps(v[2 * m], low, v[2 * m + 1]), cv));
+      _mm512_storeu_ps(o + 32 * m + 16, _mm512_mul_ps(_mm512_permutex2var_ps(v[2 * m], high, v[2 * m + 1]), cv));
+    }
+    return;
+  }
+#endif
+  for (int n = 0; n < NV; ++n) (Vec(v[n]) * Vec(c)).store(o + n * W);
+}
+
 // R query rows (qs floats apart) of a GQA group against L keys, rows NV vectors long: scores into p [R, L] (-inf
-// where masked), with the rows' queries in registers over all keys; the next group's keys prefetched meanwhile.
+// where masked), with the rows' queries in registers over all keys (split as the keys are read: each score the
+// same sum of products, added in another order); the next group's keys prefetched meanwhile.
 template <int NV, int R, typename T>
 static void group_scores(const float* q, int64_t qs, const Keys<T>& kv, float sc, int64_t L, float* p,
                          const Keys<T>* next) {
-  Vec qv[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) qv[r][n] = Vec::loadu(q + r * qs + n * W);
+  Reg qv[R][NV];
+  for (int r = 0; r < R; ++r) query<NV, T>(q + r * qs, qv[r]);
   auto one = [&](int64_t l) {
     if (next && !next->masked(l)) prefetch(next->key(l), NV * W);
     if (kv.masked(l)) {  // the key is never read
       for (int r = 0; r < R; ++r) p[r * L + l] = kv.b[l];
       return;
     }
-    const T* kl = kv.key(l);
-    Vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = qv[r][0] * load(kl);
-    for (int n = 1; n < NV; ++n) {
-      const Vec k = load(kl + n * W);
-      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(qv[r][n], k, acc[r]);
+    Reg k[NV];
+    row<NV, T>(kv.key(l), k);
+    for (int r = 0; r < R; ++r) {
+      Vec acc = Vec(qv[r][0]) * Vec(k[0]);
+      for (int n = 1; n < NV; ++n) acc = at::vec::fmadd(Vec(qv[r][n]), Vec(k[n]), acc);
+      p[r * L + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc) * sc + kv.bias(l);
     }
-    for (int r = 0; r < R; ++r)
-      p[r * L + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[r]) * sc + kv.bias(l);
   };
   int64_t l = 0;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -84,13 +155,12 @@ static void group_scores(const float* q, int64_t qs, const Keys<T>& kv, float sc
     }
     __m512 acc[R][4];
     for (int j = 0; j < 4; ++j) {
-      const T* kl = kv.key(l + j);
       if (next && !next->masked(l + j)) prefetch(next->key(l + j), NV * W);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(qv[r][0], load(kl));
-      for (int n = 1; n < NV; ++n) {
-        const __m512 k = load(kl + n * W);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(qv[r][n], k, acc[r][j]);
-      }
+      Reg k[NV];
+      row<NV, T>(kv.key(l + j), k);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm512_mul_ps(qv[r][0], k[0]);
+      for (int n = 1; n < NV; ++n)
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(qv[r][n], k[n], acc[r][j]);
     }
     const __m128 bias = kv.b ? _mm_loadu_ps(kv.b + l) : _mm_setzero_ps();
     for (int r = 0; r < R; ++r)
@@ -100,14 +170,6 @@ static void group_scores(const float* q, int64_t qs, const Keys<T>& kv, float sc
 #endif
   for (; l < L; ++l) one(l);
 }
-
-#if defined(CPU_CAPABILITY_AVX512)
-using Reg = __m512;  // accumulators as bare registers (arrays of Vec are kept in memory)
-static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-#else
-using Reg = Vec;
-static inline Reg fma(Reg a, Reg b, Reg c) { return at::vec::fmadd(a, b, c); }
-#endif
 
 // o [R, D] = (p [R, L] (unnormalised probabilities) times the values) * inv [R], masked ones unread; the next
 // group's prefetched.
@@ -120,14 +182,12 @@ static void group_values(const float* p, const float* inv, const Keys<T>& kv, in
   for (int64_t l = 0; l < L; ++l) {
     if (next && !next->masked(l)) prefetch(next->value(l), NV * W);
     if (kv.masked(l)) continue;
-    const T* vl = kv.value(l);
-    for (int n = 0; n < NV; ++n) {
-      const Reg v = load(vl + n * W);
-      for (int r = 0; r < R; ++r) acc[r][n] = fma(Vec(p[r * L + l]), v, acc[r][n]);
-    }
+    Reg v[NV];
+    row<NV, T>(kv.value(l), v);
+    for (int n = 0; n < NV; ++n)
+      for (int r = 0; r < R; ++r) acc[r][n] = fma(Vec(p[r * L + l]), v[n], acc[r][n]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < NV; ++n) (Vec(acc[r][n]) * Vec(inv[r])).store(o + r * D + n * W);
+  for (int r = 0; r < R; ++r) store<NV, T>(acc[r], inv[r], o + r * D);
 }
 
 // A whole group of G rows, at most 4 at a time (4 x NV accumulators): scores, or (given `inv`, each row's 1 / sum of
@@ -235,32 +295,47 @@ static inline float exp_row(float* r, int64_t n) {
   return 1.f / s;
 }
 
-// softmax(scale * q k^T + bias) v for q [S, H, D] (rows may be strided), the keys of (query s, kv head h) given by
-// `keys(s, h)` (at most L of them); [S, H, D].
-template <typename T, typename KeysOf>
-static at::Tensor attend(const at::Tensor& q, int64_t KV, int64_t L, double scale, const KeysOf& keys) {
-  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), G = H / KV;
-  at::Tensor out = at::empty({S, H, D}, q.options());  // every row written by its group
-  const float* qp = q.data_ptr<float>();
+// G query rows of one GQA group, `qs` floats apart.
+struct Rows {
+  const float* q;
+  int64_t qs;
+};
+
+// softmax(scale * q k^T + bias) v for S queries of H heads of D (`like`: their options), [S, H, D]: the keys of
+// (query s, kv head h) given by `keys(s, h)` (at most L of them), its G query rows by `rows(s, h, buf)` (buf:
+// (G + 1) * D floats of the thread's own, for rows it computes).
+template <typename T, typename KeysOf, typename RowsOf>
+static at::Tensor attend(const at::Tensor& like, int64_t S, int64_t H, int64_t D, int64_t KV, int64_t L, double scale,
+                         const KeysOf& keys, const RowsOf& rows) {
+  const int64_t G = H / KV;
+  at::Tensor out = at::empty({S, H, D}, like.options());  // every row written by its group
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const GroupFn<T> fn = group_for<T>(D);
   parallel(0, S * KV, grain_of(2 * G * L * D, WORK), [&](int64_t begin, int64_t end) {
-    std::vector<float> p(G * L), inv(G);  // [G, n] scores, then unnormalised probabilities; 1 / each row's sum
+    std::vector<float> p(G * L), inv(G), buf((G + 1) * D);  // [G, n] scores, then unnormalised probabilities;
+                                                             // 1 / each row's sum; rows(s, h, buf)'s
     Keys<T> kv = keys(begin / KV, begin % KV), nk = kv;  // this group's keys, then the next's (each found once)
     for (int64_t i = begin; i < end; ++i, kv = nk) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;
-      const float* qb = qp + s * q.stride(0) + h * G * q.stride(1);
+      const Rows q = rows(s, h, buf.data());
       if (i + 1 < end) nk = keys((i + 1) / KV, (i + 1) % KV);
       const Keys<T>* next = i + 1 < end ? &nk : nullptr;
       const int64_t n = kv.n;
       float* ob = op + (s * H + h * G) * D;
-      fn(qb, q.stride(1), kv, sc, G, n, p.data(), nullptr, ob, D, next);
+      fn(q.q, q.qs, kv, sc, G, n, p.data(), nullptr, ob, D, next);
       for (int64_t j = 0; j < G; ++j) inv[j] = exp_row(p.data() + j * n, n);
-      fn(qb, q.stride(1), kv, sc, G, n, p.data(), inv.data(), ob, D, next);
+      fn(q.q, q.qs, kv, sc, G, n, p.data(), inv.data(), ob, D, next);
     }
   });
   return out;
+}
+
+// The query rows of group (s, h) of q [S, H, D] (rows may be strided), read in place.
+static auto rows_of(const at::Tensor& q, int64_t G) {
+  const float* qp = q.data_ptr<float>();
+  const int64_t s0 = q.stride(0), s1 = q.stride(1);
+  return [=](int64_t s, int64_t h, float*) { return Rows{qp + s * s0 + h * G * s1, s1}; };
 }
 
 // k and v: CPU tensors of one dtype, fp32 or bf16, their last dimension contiguous.
@@ -278,6 +353,36 @@ static at::Tensor by_cache_type(const at::Tensor& k, const Fn& f) {
   return k.scalar_type() == at::kBFloat16 ? f(at::BFloat16()) : f(float());
 }
 
+// Each sequence's keys up to its last unmasked one (a shorter sequence's masked tail is not even scored) and its row
+// of bias [S, L] (additive, -inf: never read), dropped where none of those keys is masked (no per-key checks then):
+// found once for all kv heads. No bias: all L keys of every sequence.
+static std::pair<std::vector<int64_t>, std::vector<const float*>> spans_of(const std::optional<at::Tensor>& bias,
+                                                                           int64_t S, int64_t L) {
+  std::vector<int64_t> lens(S, L);
+  std::vector<const float*> rows(S, nullptr);
+  if (!bias) return {lens, rows};
+  check(*bias, "bias");
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
+  const float* bp = bias->data_ptr<float>();
+  for (int64_t s = 0; s < S; ++s) {
+    const float* b = bp + s * bias->stride(0);
+    while (lens[s] > 1 && b[lens[s] - 1] == -std::numeric_limits<float>::infinity()) --lens[s];
+    if (!std::all_of(b, b + lens[s], [](float x) { return x == 0.f; })) rows[s] = b;
+  }
+  return {lens, rows};
+}
+
+// The keys of (sequence s, kv head h) in k and v [S, KV, L, D] (any strides but the last: a slot cache's view).
+template <typename T>
+static auto seat_keys(const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& lens,
+                      const std::vector<const float*>& rows) {
+  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  return [&, kp, vp](int64_t s, int64_t h) {
+    return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
+                   v.stride(2), nullptr, rows[s], lens[s]};
+  };
+}
+
 // One query per sequence, q [S, H, D], against k and v [S, KV, L, D] (any strides but the last: a slot cache's
 // view), bias [S, L] additive (-inf: that key is never read) or none.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -287,29 +392,59 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(2) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
               "decode_attention: q [S, H, D], k and v [S, KV, L, D] (KV dividing H, L at least 1) are needed");
-  const int64_t S = q.size(0), L = k.size(2);
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    check(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
-    bp = bias->data_ptr<float>();
-  }
-  // Each sequence's keys up to its last unmasked one (a shorter sequence's masked tail is not even scored) and its
-  // bias row, dropped where none of those keys is masked (no per-key checks then): found once for all kv heads.
-  std::vector<int64_t> lens(S, L);
-  std::vector<const float*> rows(S, nullptr);
-  for (int64_t s = 0; bp && s < S; ++s) {
-    const float* b = bp + s * bias->stride(0);
-    while (lens[s] > 1 && b[lens[s] - 1] == -std::numeric_limits<float>::infinity()) --lens[s];
-    if (!std::all_of(b, b + lens[s], [](float x) { return x == 0.f; })) rows[s] = b;
-  }
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), L = k.size(2);
+  const auto [lens, rows] = spans_of(bias, S, L);
   return by_cache_type(k, [&](auto zero) {
     using T = decltype(zero);
-    const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
-    return attend<T>(q, k.size(1), L, scale, [&](int64_t s, int64_t h) {
-      return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
-                     v.stride(2), nullptr, rows[s], lens[s]};
-    });
+    return attend<T>(q, S, H, D, KV, L, scale, seat_keys<T>(k, v, lens, rows), rows_of(q, H / KV));
+  });
+}
+
+// A decode step's attention after its own rotary and K/V writes, each done by the group that reads them (the same
+// values rotary_, write_rows_ and decode_attention give one after another; qk is left as it was): qk [S, H + KV, D]
+// (q then k heads, unrotated), v [S, KV, D], cos and sin [S, D] as rotary_ takes them; sequence s decodes in seat s
+// of k_cache and v_cache [seats, KV, P, D], its K/V going to flat row rows[s * KV + h] of their [-1, D] views, and
+// attends the first `length` positions of its seat (bias [S, length] as decode_attention takes it, or none).
+at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& rows, const std::optional<at::Tensor>& bias, int64_t length,
+                                   int64_t heads, double scale) {
+  for (const at::Tensor* t : {&qk, &v, &cos, &sin}) check(*t, "rotary_decode_attention");
+  check_cache(k_cache, v_cache, "rotary_decode_attention");
+  TORCH_CHECK(qk.dim() == 3 && k_cache.dim() == 4, "rotary_decode_attention: qk [S, H + KV, D] and caches "
+              "[seats, KV, P, D] are needed");
+  const int64_t S = qk.size(0), D = qk.size(2), KV = k_cache.size(1), N = k_cache.numel() / std::max<int64_t>(1, D);
+  TORCH_CHECK(v.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && KV > 0 && heads % KV == 0 &&
+                  qk.size(1) == heads + KV && v.size(0) == S && v.size(1) == KV && v.size(2) == D &&
+                  k_cache.size(3) == D && D % 2 == 0 && S <= k_cache.size(0) && 0 < length &&
+                  length <= k_cache.size(2) && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == S &&
+                  cos.size(1) == D && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  rows.numel() == S * KV,
+              "rotary_decode_attention: qk [S, H + KV, D], v [S, KV, D], cos and sin [S, D], contiguous caches "
+              "[seats >= S, KV, P, D], rows [S * KV] int64 and 0 < length <= P are needed");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < S * KV; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "rotary_decode_attention: row ", rp[i], " out of range");
+  const at::Tensor k = k_cache.narrow(0, 0, S).narrow(2, 0, length), vv = v_cache.narrow(0, 0, S).narrow(2, 0, length);
+  const auto [lens, spans] = spans_of(bias, S, length);
+  const int64_t G = heads / KV, q0 = qk.stride(0), q1 = qk.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+  const float *qp = qk.data_ptr<float>(), *vp = v.data_ptr<float>(), *cp = cos.data_ptr<float>(),
+              *sp = sin.data_ptr<float>();
+  return by_cache_type(k_cache, [&](auto zero) {
+    using T = decltype(zero);
+    T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
+    return attend<T>(qk, S, heads, D, KV, length, scale, seat_keys<T>(k, vv, lens, spans),
+                     [&](int64_t s, int64_t h, float* buf) {
+                       const float *c = cp + s * cos.stride(0), *n = sp + s * sin.stride(0), *x = qp + s * q0;
+                       for (int64_t j = 0; j < G; ++j) rotate_row(x + (h * G + j) * q1, c, n, D, buf + j * D);
+                       float* key = buf + G * D;
+                       rotate_row(x + (heads + h) * q1, c, n, D, key);  // as rotary_, then write_rows_
+                       const int64_t r = rp[s * KV + h];
+                       at::vec::convert(key, kc + r * D, D);
+                       at::vec::convert(vp + s * v0 + h * v1, vc + r * D, D);
+                       return Rows{buf, D};
+                     });
   });
 }
 
@@ -349,17 +484,19 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return by_cache_type(k, [&](auto zero) {
     using T = decltype(zero);
     const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
-    return attend<T>(q, KV, most, scale, [&](int64_t t, int64_t h) {
+    const auto keys = [&](int64_t t, int64_t h) {
       const int64_t *s = sp + 3 * t, n = s[2] - s[1];
       if (rp) return Keys<T>{kp, vp, k.size(3), v.size(3), rp + (s[0] * KV + h) * L + s[1], nullptr, n};
       return Keys<T>{kp + s[0] * k.stride(0) + h * k.stride(1) + s[1] * k.stride(2),
                      vp + s[0] * v.stride(0) + h * v.stride(1) + s[1] * v.stride(2), k.stride(2), v.stride(2),
                      nullptr, nullptr, n};
-    });
+    };
+    return attend<T>(q, q.size(0), q.size(1), q.size(2), KV, most, scale, keys, rows_of(q, q.size(1) / KV));
   });
 }
 
 TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("token_attention", token_attention);
+  m.impl("rotary_decode_attention", rotary_decode_attention);
 }

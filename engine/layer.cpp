@@ -1,6 +1,7 @@
 // Every decoder layer of a step in one call (torch.ops.lab.layers; schema in engine/native.cpp), each layer: norm, qkv
 // product, rotary, KV writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product
-// (+ residual), each step the same operator the Python layer loop calls, so the results are the same bits; only the
+// (+ residual), each step the same operator the Python layer loop calls (a decode's rotary, K/V writes and attention
+// fused in one, rotary_decode_attention, with the values of the three), so the results are the same bits; only the
 // per-operator Python dispatch is gone. Each product is named by its kind (Product, in the order of engine/model.py's
 // NATIVE_PRODUCTS). Each step is recorded under its operator's name for the profiler (probe_hardware's split).
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -14,10 +15,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gu);
 void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin);
 void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src);
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& bias, double scale);
 at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                            const std::optional<at::Tensor>& rows, double scale);
+at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
+                                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& rows, const std::optional<at::Tensor>& bias, int64_t length,
+                                   int64_t heads, double scale);
 using Opt = std::optional<at::Tensor>;
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
@@ -96,7 +99,8 @@ static at::Tensor silu(int64_t kind, const at::Tensor& gu) {
 // products; kinds: their 4 product kinds. cos, sin [T, D] (sin's first half negated); k_cache, v_cache this layer's
 // cache, rows [T * kv heads] the flat cache rows the step's K/V go to. Attention: `spans` given, each token against
 // its own keys (token_attention, `key_rows` on a paged cache); else decodes in seats [0, seats) against their first
-// `length` keys (decode_attention, `bias` [seats, length] additive or none).
+// `length` keys (rotary_decode_attention, which also rotates and writes them; `bias` [seats, length] additive or
+// none).
 static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::IntArrayRef kinds, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& rows, const Opt& spans, const Opt& key_rows, const Opt& bias, int64_t seats,
@@ -108,28 +112,25 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
   };
   const at::Tensor qkv = p(0, norm(kinds[0], x, w(0), eps), std::nullopt);
   at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
-  {
-    NAMED("rotary_");
-    rotary_(qk, cos, sin);
-  }
-  const at::Tensor q = qk.narrow(1, 0, heads), k = qk.narrow(1, heads, KV);
   const at::Tensor v = qkv.narrow(1, (heads + KV) * D, KV * D).view({T, KV, D});
-  {
-    NAMED("write_rows_");
-    write_rows_(k_cache.view({-1, D}), rows, k);
-    write_rows_(v_cache.view({-1, D}), rows, v);
-  }
   at::Tensor attn;
   if (spans) {
+    {
+      NAMED("rotary_");
+      rotary_(qk, cos, sin);
+    }
+    {
+      NAMED("write_rows_");
+      write_rows_(k_cache.view({-1, D}), rows, qk.narrow(1, heads, KV));
+      write_rows_(v_cache.view({-1, D}), rows, v);
+    }
     NAMED("token_attention");
-    attn = token_attention(q, k_cache, v_cache, *spans, key_rows, scale);
-  } else {
+    attn = token_attention(qk.narrow(1, 0, heads), k_cache, v_cache, *spans, key_rows, scale);
+  } else {  // rotary and the K/V writes inside, by the group that reads them
     NAMED("decode_attention");
-    const at::Tensor kv = k_cache.narrow(0, 0, seats).narrow(2, 0, length);
-    const at::Tensor vv = v_cache.narrow(0, 0, seats).narrow(2, 0, length);
     std::optional<at::Tensor> b;
     if (bias) b = bias->view({seats, length});
-    attn = decode_attention(q, kv, vv, b, scale);
+    attn = rotary_decode_attention(qk, v, cos, sin, k_cache, v_cache, rows, b, length, heads, scale);
   }
   const at::Tensor h = p(1, attn.reshape({T, heads * D}), x);
   const at::Tensor gu = p(2, norm(kinds[2], h, w(1), eps), std::nullopt);

@@ -41,27 +41,14 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(qk.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qk.size(0) &&
                   cos.size(1) == qk.size(2) && qk.size(2) % 2 == 0,
               "rotary_: qk [T, heads, D], cos and sin [T, D] are needed");
-  const int64_t T = qk.size(0), Hd = qk.size(1), D = qk.size(2), h = D / 2;
+  const int64_t T = qk.size(0), Hd = qk.size(1), D = qk.size(2);
   const int64_t qs = qk.stride(0), hs = qk.stride(1), cs = cos.stride(0), ss = sin.stride(0);
   float* qp = qk.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   parallel(0, T, grain_of(Hd * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *c = cp + t * cs, *s = sp + t * ss;
-      for (int64_t j = 0; j < Hd; ++j) {
-        float* x = qp + t * qs + j * hs;
-        int64_t d = 0;
-        for (; d + W <= h; d += W) {
-          Vec a = Vec::loadu(x + d), b = Vec::loadu(x + h + d);
-          at::vec::fmadd(a, Vec::loadu(c + d), b * Vec::loadu(s + d)).store(x + d);
-          at::vec::fmadd(b, Vec::loadu(c + h + d), a * Vec::loadu(s + h + d)).store(x + h + d);
-        }
-        for (; d < h; ++d) {
-          const float a = x[d], b = x[h + d];
-          x[d] = a * c[d] + b * s[d];
-          x[h + d] = b * c[h + d] + a * s[h + d];
-        }
-      }
+      for (int64_t j = 0; j < Hd; ++j) rotate_row(qp + t * qs + j * hs, c, s, D, qp + t * qs + j * hs);
     }
   });
 }
@@ -137,6 +124,8 @@ TORCH_LIBRARY(lab, m) {
   m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
+  m.def("rotary_decode_attention(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor rows, Tensor? bias, int length, int heads, float scale) -> Tensor");
   m.def("q4_1_pack(Tensor blocks) -> Tensor");  // Q4_1 and Q8_0 products: engine/quant.cpp
   m.def("q8_0_pack(Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
@@ -151,7 +140,7 @@ TORCH_LIBRARY(lab, m) {
         "int heads, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the two attention kernels are registered in engine/decode_attention.cpp
+TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the attention kernels are registered in engine/decode_attention.cpp
   m.impl("rms_norm", rms_norm);
   m.impl("first_argmax", first_argmax);
   m.impl("silu_mul", silu_mul);

@@ -64,6 +64,22 @@ static inline void silu_row(const float* g, const float* u, int64_t I, float* o)
   for (; d < I; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
 }
 
+// o [D] = x * c + x with its halves swapped * s (c and s [D], s's first half negated): one row of rotary; o may be x.
+static inline void rotate_row(const float* x, const float* c, const float* s, int64_t D, float* o) {
+  const int64_t h = D / 2;
+  int64_t d = 0;
+  for (; d + W <= h; d += W) {
+    const Vec a = Vec::loadu(x + d), b = Vec::loadu(x + h + d);
+    at::vec::fmadd(a, Vec::loadu(c + d), b * Vec::loadu(s + d)).store(o + d);
+    at::vec::fmadd(b, Vec::loadu(c + h + d), a * Vec::loadu(s + h + d)).store(o + h + d);
+  }
+  for (; d < h; ++d) {
+    const float a = x[d], b = x[h + d];
+    o[d] = a * c[d] + b * s[d];
+    o[h + d] = b * c[h + d] + a * s[h + d];
+  }
+}
+
 // f(begin, end) over [begin, end) in contiguous chunks, one per thread (torch's number, at most one per `grain`):
 // one OpenMP region, without at::parallel_for's per-call copy of thread-local state (the fused kernels need none).
 template <class Fn>

@@ -1,9 +1,9 @@
 """The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
-first_argmax) and engine/decode_attention.cpp (decode_attention, token_attention), built into one library once per
-machine with the system's C++ compiler for the vector instructions torch uses here (AVX-512, AVX2 or none) and kept
-in $LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags. Where building or loading
-fails, `ops()` is None and the steps run ATen's operators instead; the reason is logged once and kept in `error`.
-The compiler: $CXX, else g++.
+first_argmax) and engine/decode_attention.cpp (decode_attention, rotary_decode_attention, token_attention), built
+into one library once per machine with the system's C++ compiler for the vector instructions torch uses here
+(AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the
+flags. Where building or loading fails, `ops()` is None and the steps run ATen's operators instead; the reason is
+logged once and kept in `error`. The compiler: $CXX, else g++.
 """
 import hashlib
 import logging

@@ -107,6 +107,38 @@ def test_a_zero_bias_reads_as_none_and_far_scores_weigh_nothing():
     assert ((weights[..., :20] - want[:20]).abs() / want[:20]).max() < 4e-7  # a few ulp
 
 
+@needs_lab
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (6, 2, 20)])
+def test_rotary_decode_attention_is_rotary_then_writes_then_decode_attention(dtype, heads, kv, d):
+    """The fused decode (each group rotates its rows and writes its K and V, then attends) gives the bits of
+    rotary_, write_rows_ and decode_attention one after another: the same output and cache, qk left as it was;
+    ragged positions (a bias), more seats than decodes, strided rows; rows outside the cache are refused."""
+    g = torch.Generator().manual_seed(heads + d)
+    S, seats, cap = 5, 7, 40
+    qkv = torch.randn(S, (heads + 2 * kv) * d + 3, generator=g)[:, 3:]  # strided rows, as the product's views
+    qk, v = qkv[:, :(heads + kv) * d].view(S, heads + kv, d), qkv[:, (heads + kv) * d:].view(S, kv, d)
+    cos, sin = torch.randn(S, d, generator=g), torch.randn(S, d, generator=g)
+    pos = torch.tensor([3, 11, 0, 25, 17])
+    length = int(pos.max()) + 1
+    rows = ((torch.arange(S)[:, None] * kv + torch.arange(kv)[None]) * cap + pos[:, None]).reshape(-1)
+    bias = torch.zeros(S, length).masked_fill_(torch.arange(length)[None] > pos[:, None], -torch.inf)
+    caches = [torch.randn(seats, kv, cap, d, generator=g).to(dtype) for _ in range(2)]
+    k1, v1 = (c.clone() for c in caches)
+    x = qk.clone()
+    lab.rotary_(x, cos, sin)
+    lab.write_rows_(k1.view(-1, d), rows, x[:, heads:])
+    lab.write_rows_(v1.view(-1, d), rows, v)
+    want = lab.decode_attention(x[:, :heads], k1[:S, :, :length], v1[:S, :, :length], bias, 0.125)
+    before = qk.clone()
+    k2, v2 = (c.clone() for c in caches)
+    got = lab.rotary_decode_attention(qk, v, cos, sin, k2, v2, rows, bias, length, heads, 0.125)
+    assert torch.equal(got, want) and torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(qk, before)
+    assert not torch.equal(k2, caches[0])  # the writes happened
+    with pytest.raises(RuntimeError, match="out of range"):
+        lab.rotary_decode_attention(qk, v, cos, sin, k2, v2, rows + seats * kv * cap, bias, length, heads, 0.125)
+
+
 def each_token_alone(q, k, v, spans, scale):
     """Reference: token t's query heads against keys [first, end) of its sequence, k and v [S, KV, L, D]."""
     return torch.cat([reference_attention(q[t:t + 1], k[s:s + 1, :, a:b], v[s:s + 1, :, a:b], None, scale)
