@@ -372,7 +372,8 @@ static std::pair<std::vector<int64_t>, std::vector<const float*>> spans_of(const
   return {lens, rows};
 }
 
-// The keys of (sequence s, kv head h) in k and v [S, KV, L, D] (any strides but the last: a slot cache's view).
+// The keys of (sequence s, kv head h) in k and v [S, KV, L, D] (any strides but the last: a slot cache or its view),
+// the first lens[s] of them.
 template <typename T>
 static auto seat_keys(const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& lens,
                       const std::vector<const float*>& rows) {
@@ -401,48 +402,46 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }
 
 // A decode step's attention after its own rotary and K/V writes, each done by the group that reads them (the same
-// values rotary_, write_rows_ and decode_attention give one after another; qk is left as it was): qk [S, H + KV, D]
-// (q then k heads, unrotated), v [S, KV, D], cos and sin [S, D] as rotary_ takes them; sequence s decodes in seat s
-// of k_cache and v_cache [seats, KV, P, D], its K/V going to flat row rows[s * KV + h] of their [-1, D] views, and
-// attends the first `length` positions of its seat (bias [S, length] as decode_attention takes it, or none).
-at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
-                                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& rows, const std::optional<at::Tensor>& bias, int64_t length,
-                                   int64_t heads, double scale) {
-  for (const at::Tensor* t : {&qk, &v, &cos, &sin}) check(*t, "rotary_decode_attention");
+// values rotary_, write_rows_ and decode_attention give one after another; qkv is left as it was): qkv [S, (H + 2 KV)
+// D] the step's projection (rows may be strided: per row, H query heads, then KV key and KV value heads, unrotated),
+// cos and sin [S, D] as rotary_ takes them; sequence s decodes in seat s of k_cache and v_cache [seats, KV, P, D], its
+// K and V going to flat row rows[s * KV + h] of their [-1, D] views, and attends the first `length` positions of its
+// seat (bias [S, length] as decode_attention takes it, or none). [S, H, D].
+at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
+                                   const std::optional<at::Tensor>& bias, int64_t length, int64_t heads,
+                                   double scale) {
+  for (const at::Tensor* t : {&qkv, &cos, &sin}) check(*t, "rotary_decode_attention");
   check_cache(k_cache, v_cache, "rotary_decode_attention");
-  TORCH_CHECK(qk.dim() == 3 && k_cache.dim() == 4, "rotary_decode_attention: qk [S, H + KV, D] and caches "
-              "[seats, KV, P, D] are needed");
-  const int64_t S = qk.size(0), D = qk.size(2), KV = k_cache.size(1), N = k_cache.numel() / std::max<int64_t>(1, D);
-  TORCH_CHECK(v.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && KV > 0 && heads % KV == 0 &&
-                  qk.size(1) == heads + KV && v.size(0) == S && v.size(1) == KV && v.size(2) == D &&
-                  k_cache.size(3) == D && D % 2 == 0 && S <= k_cache.size(0) && 0 < length &&
-                  length <= k_cache.size(2) && cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == S &&
-                  cos.size(1) == D && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
-                  rows.numel() == S * KV,
-              "rotary_decode_attention: qk [S, H + KV, D], v [S, KV, D], cos and sin [S, D], contiguous caches "
-              "[seats >= S, KV, P, D], rows [S * KV] int64 and 0 < length <= P are needed");
-  const int64_t* rp = rows.data_ptr<int64_t>();
+  TORCH_CHECK(qkv.dim() == 2 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rotary_decode_attention: qkv [S, (H + 2 KV) D] and contiguous caches [seats, KV, P, D] of one shape "
+              "are needed");
+  const int64_t S = qkv.size(0), KV = k_cache.size(1), D = k_cache.size(3);
+  TORCH_CHECK(KV > 0 && D > 0 && D % 2 == 0 && heads % KV == 0 && qkv.size(1) == (heads + 2 * KV) * D &&
+                  S <= k_cache.size(0) && 0 < length && length <= k_cache.size(2) && cos.dim() == 2 &&
+                  cos.sizes() == sin.sizes() && cos.size(0) == S && cos.size(1) == D &&
+                  rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == S * KV,
+              "rotary_decode_attention: qkv [S, (H + 2 KV) D] (KV dividing H, D even), cos and sin [S, D], caches "
+              "of at least S seats, rows [S * KV] int64 and 0 < length <= P are needed");
+  const int64_t *rp = rows.data_ptr<int64_t>(), N = k_cache.numel() / D;
   for (int64_t i = 0; i < S * KV; ++i)
     TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "rotary_decode_attention: row ", rp[i], " out of range");
-  const at::Tensor k = k_cache.narrow(0, 0, S).narrow(2, 0, length), vv = v_cache.narrow(0, 0, S).narrow(2, 0, length);
   const auto [lens, spans] = spans_of(bias, S, length);
-  const int64_t G = heads / KV, q0 = qk.stride(0), q1 = qk.stride(1), v0 = v.stride(0), v1 = v.stride(1);
-  const float *qp = qk.data_ptr<float>(), *vp = v.data_ptr<float>(), *cp = cos.data_ptr<float>(),
-              *sp = sin.data_ptr<float>();
+  const int64_t G = heads / KV, qs = qkv.stride(0);
+  const float *qp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   return by_cache_type(k_cache, [&](auto zero) {
     using T = decltype(zero);
     T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
-    return attend<T>(qk, S, heads, D, KV, length, scale, seat_keys<T>(k, vv, lens, spans),
+    return attend<T>(qkv, S, heads, D, KV, length, scale, seat_keys<T>(k_cache, v_cache, lens, spans),
                      [&](int64_t s, int64_t h, float* buf) {
-                       const float *c = cp + s * cos.stride(0), *n = sp + s * sin.stride(0), *x = qp + s * q0;
-                       for (int64_t j = 0; j < G; ++j) rotate_row(x + (h * G + j) * q1, c, n, D, buf + j * D);
+                       const float *c = cp + s * cos.stride(0), *n = sp + s * sin.stride(0), *x = qp + s * qs;
+                       for (int64_t j = 0; j < G; ++j) rotate_row(x + (h * G + j) * D, c, n, D, buf + j * D);
                        float* key = buf + G * D;
-                       rotate_row(x + (heads + h) * q1, c, n, D, key);  // as rotary_, then write_rows_
+                       rotate_row(x + (heads + h) * D, c, n, D, key);  // as rotary_, then write_rows_
                        const int64_t r = rp[s * KV + h];
                        at::vec::convert(key, kc + r * D, D);
-                       at::vec::convert(vp + s * v0 + h * v1, vc + r * D, D);
+                       at::vec::convert(x + (heads + KV + h) * D, vc + r * D, D);
                        return Rows{buf, D};
                      });
   });

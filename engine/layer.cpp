@@ -17,10 +17,10 @@ void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin);
 void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src);
 at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                            const std::optional<at::Tensor>& rows, double scale);
-at::Tensor rotary_decode_attention(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
-                                   const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& rows, const std::optional<at::Tensor>& bias, int64_t length,
-                                   int64_t heads, double scale);
+at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
+                                   const std::optional<at::Tensor>& bias, int64_t length, int64_t heads,
+                                   double scale);
 using Opt = std::optional<at::Tensor>;
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
@@ -111,10 +111,9 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
     return product(kinds[j], in, *weights[2 + 3 * j], weights[3 + 3 * j], weights[4 + 3 * j], residual);
   };
   const at::Tensor qkv = p(0, norm(kinds[0], x, w(0), eps), std::nullopt);
-  at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
-  const at::Tensor v = qkv.narrow(1, (heads + KV) * D, KV * D).view({T, KV, D});
   at::Tensor attn;
   if (spans) {
+    at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
     {
       NAMED("rotary_");
       rotary_(qk, cos, sin);
@@ -122,7 +121,7 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
     {
       NAMED("write_rows_");
       write_rows_(k_cache.view({-1, D}), rows, qk.narrow(1, heads, KV));
-      write_rows_(v_cache.view({-1, D}), rows, v);
+      write_rows_(v_cache.view({-1, D}), rows, qkv.narrow(1, (heads + KV) * D, KV * D).view({T, KV, D}));
     }
     NAMED("token_attention");
     attn = token_attention(qk.narrow(1, 0, heads), k_cache, v_cache, *spans, key_rows, scale);
@@ -130,7 +129,7 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
     NAMED("decode_attention");
     std::optional<at::Tensor> b;
     if (bias) b = bias->view({seats, length});
-    attn = rotary_decode_attention(qk, v, cos, sin, k_cache, v_cache, rows, b, length, heads, scale);
+    attn = rotary_decode_attention(qkv, cos, sin, k_cache, v_cache, rows, b, length, heads, scale);
   }
   const at::Tensor h = p(1, attn.reshape({T, heads * D}), x);
   const at::Tensor gu = p(2, norm(kinds[2], h, w(1), eps), std::nullopt);

@@ -124,7 +124,7 @@ TORCH_LIBRARY(lab, m) {
   m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
-  m.def("rotary_decode_attention(Tensor qk, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+  m.def("rotary_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor rows, Tensor? bias, int length, int heads, float scale) -> Tensor");
   m.def("q4_1_pack(Tensor blocks) -> Tensor");  // Q4_1 and Q8_0 products: engine/quant.cpp
   m.def("q8_0_pack(Tensor blocks) -> Tensor");

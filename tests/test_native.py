@@ -112,7 +112,7 @@ def test_a_zero_bias_reads_as_none_and_far_scores_weigh_nothing():
 @pytest.mark.parametrize("heads,kv,d", [(9, 3, 64), (6, 2, 20)])
 def test_rotary_decode_attention_is_rotary_then_writes_then_decode_attention(dtype, heads, kv, d):
     """The fused decode (each group rotates its rows and writes its K and V, then attends) gives the bits of
-    rotary_, write_rows_ and decode_attention one after another: the same output and cache, qk left as it was;
+    rotary_, write_rows_ and decode_attention one after another: the same output and cache, qkv left as it was;
     ragged positions (a bias), more seats than decodes, strided rows; rows outside the cache are refused."""
     g = torch.Generator().manual_seed(heads + d)
     S, seats, cap = 5, 7, 40
@@ -130,13 +130,13 @@ def test_rotary_decode_attention_is_rotary_then_writes_then_decode_attention(dty
     lab.write_rows_(k1.view(-1, d), rows, x[:, heads:])
     lab.write_rows_(v1.view(-1, d), rows, v)
     want = lab.decode_attention(x[:, :heads], k1[:S, :, :length], v1[:S, :, :length], bias, 0.125)
-    before = qk.clone()
+    before = qkv.clone()
     k2, v2 = (c.clone() for c in caches)
-    got = lab.rotary_decode_attention(qk, v, cos, sin, k2, v2, rows, bias, length, heads, 0.125)
-    assert torch.equal(got, want) and torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(qk, before)
+    got = lab.rotary_decode_attention(qkv, cos, sin, k2, v2, rows, bias, length, heads, 0.125)
+    assert torch.equal(got, want) and torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(qkv, before)
     assert not torch.equal(k2, caches[0])  # the writes happened
     with pytest.raises(RuntimeError, match="out of range"):
-        lab.rotary_decode_attention(qk, v, cos, sin, k2, v2, rows + seats * kv * cap, bias, length, heads, 0.125)
+        lab.rotary_decode_attention(qkv, cos, sin, k2, v2, rows + seats * kv * cap, bias, length, heads, 0.125)
 
 
 def each_token_alone(q, k, v, spans, scale):
