@@ -13,7 +13,8 @@ def render_split(h: dict) -> list[str]:
              "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above). "
              "`fused`: the engine's own kernels for norms, rotary, SiLU x up, KV writes and decode attention "
              "(engine/native.py, the default where they build), all layers in one call whose steps are split by the "
-             "operator each calls (`rest of the layers call`: that call's own work between them); `ATen`: torch's "
+             "operator each calls (`rest of the layers call`: that call's own work between them; a decode step's "
+             "rotary and KV writes run inside its decode attention kernel, and count there); `ATen`: torch's "
              "operators for them.", "",
              "| B | kernels | step, ms | floor, ms | profiled step, ms | " + " | ".join(names) + " |",
              "|---|---|---|---|---|" + "---|" * len(names)]
