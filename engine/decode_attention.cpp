@@ -357,12 +357,12 @@ static at::Tensor by_cache_type(const at::Tensor& k, const Fn& f) {
 // of bias [S, L] (additive, -inf: never read), dropped where none of those keys is masked (no per-key checks then):
 // found once for all kv heads. No bias: all L keys of every sequence.
 static std::pair<std::vector<int64_t>, std::vector<const float*>> spans_of(const std::optional<at::Tensor>& bias,
-                                                                           int64_t S, int64_t L) {
+                                                                           int64_t S, int64_t L, const char* op) {
   std::vector<int64_t> lens(S, L);
   std::vector<const float*> rows(S, nullptr);
   if (!bias) return {lens, rows};
   check(*bias, "bias");
-  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, "decode_attention: bias [S, L]");
+  TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, op, ": bias [S, L] is needed");
   const float* bp = bias->data_ptr<float>();
   for (int64_t s = 0; s < S; ++s) {
     const float* b = bp + s * bias->stride(0);
@@ -394,7 +394,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   q.size(2) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
               "decode_attention: q [S, H, D], k and v [S, KV, L, D] (KV dividing H, L at least 1) are needed");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), L = k.size(2);
-  const auto [lens, rows] = spans_of(bias, S, L);
+  const auto [lens, rows] = spans_of(bias, S, L, "decode_attention");
   return by_cache_type(k, [&](auto zero) {
     using T = decltype(zero);
     return attend<T>(q, S, H, D, KV, L, scale, seat_keys<T>(k, v, lens, rows), rows_of(q, H / KV));
@@ -424,10 +424,11 @@ at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
                   rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == S * KV,
               "rotary_decode_attention: qkv [S, (H + 2 KV) D] (KV dividing H, D even), cos and sin [S, D], caches "
               "of at least S seats, rows [S * KV] int64 and 0 < length <= P are needed");
-  const int64_t *rp = rows.data_ptr<int64_t>(), N = k_cache.numel() / D;
-  for (int64_t i = 0; i < S * KV; ++i)
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < N, "rotary_decode_attention: row ", rp[i], " out of range");
-  const auto [lens, spans] = spans_of(bias, S, length);
+  const int64_t *rp = rows.data_ptr<int64_t>(), P = k_cache.size(2);
+  for (int64_t i = 0; i < S * KV; ++i)  // group i writes only among the keys it reads: no other group's
+    TORCH_CHECK(rp[i] >= i * P && rp[i] < (i + 1) * P, "rotary_decode_attention: row ", rp[i], " of sequence ",
+                i / KV, ", kv head ", i % KV, " is outside its own seat's positions [", i * P, ", ", (i + 1) * P, ")");
+  const auto [lens, spans] = spans_of(bias, S, length, "rotary_decode_attention");
   const int64_t G = heads / KV, qs = qkv.stride(0);
   const float *qp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   return by_cache_type(k_cache, [&](auto zero) {

@@ -113,7 +113,8 @@ def test_a_zero_bias_reads_as_none_and_far_scores_weigh_nothing():
 def test_rotary_decode_attention_is_rotary_then_writes_then_decode_attention(dtype, heads, kv, d):
     """The fused decode (each group rotates its rows and writes its K and V, then attends) gives the bits of
     rotary_, write_rows_ and decode_attention one after another: the same output and cache, qkv left as it was;
-    ragged positions (a bias), more seats than decodes, strided rows; rows outside the cache are refused."""
+    ragged positions (a bias), more seats than decodes, strided rows; a row outside its own seat and head (where
+    another group reads) is refused."""
     g = torch.Generator().manual_seed(heads + d)
     S, seats, cap = 5, 7, 40
     qkv = torch.randn(S, (heads + 2 * kv) * d + 3, generator=g)[:, 3:]  # strided rows, as the product's views
@@ -135,8 +136,9 @@ def test_rotary_decode_attention_is_rotary_then_writes_then_decode_attention(dty
     got = lab.rotary_decode_attention(qkv, cos, sin, k2, v2, rows, bias, length, heads, 0.125)
     assert torch.equal(got, want) and torch.equal(k2, k1) and torch.equal(v2, v1) and torch.equal(qkv, before)
     assert not torch.equal(k2, caches[0])  # the writes happened
-    with pytest.raises(RuntimeError, match="out of range"):
-        lab.rotary_decode_attention(qkv, cos, sin, k2, v2, rows + seats * kv * cap, bias, length, heads, 0.125)
+    for wrong in (rows + seats * kv * cap, rows.roll(1)):  # beyond the cache; in another group's seat or head
+        with pytest.raises(RuntimeError, match="outside its own seat"):
+            lab.rotary_decode_attention(qkv, cos, sin, k2, v2, wrong, bias, length, heads, 0.125)
 
 
 def each_token_alone(q, k, v, spans, scale):
