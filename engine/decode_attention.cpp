@@ -296,17 +296,17 @@ static inline float exp_row(float* r, int64_t n) {
 }
 
 // G query rows of one GQA group, `qs` floats apart.
-struct Rows {
+struct Queries {
   const float* q;
   int64_t qs;
 };
 
 // softmax(scale * q k^T + bias) v for S queries of H heads of D (`like`: their options), [S, H, D]: the keys of
-// (query s, kv head h) given by `keys(s, h)` (at most L of them), its G query rows by `rows(s, h, buf)` (buf:
+// (query s, kv head h) given by `keys(s, h)` (at most L of them), its G query rows by `queries(s, h, buf)` (buf:
 // (G + 1) * D floats of the thread's own, for rows it computes).
-template <typename T, typename KeysOf, typename RowsOf>
+template <typename T, typename KeysOf, typename QueriesOf>
 static at::Tensor attend(const at::Tensor& like, int64_t S, int64_t H, int64_t D, int64_t KV, int64_t L, double scale,
-                         const KeysOf& keys, const RowsOf& rows) {
+                         const KeysOf& keys, const QueriesOf& queries) {
   const int64_t G = H / KV;
   at::Tensor out = at::empty({S, H, D}, like.options());  // every row written by its group
   float* op = out.data_ptr<float>();
@@ -314,11 +314,11 @@ static at::Tensor attend(const at::Tensor& like, int64_t S, int64_t H, int64_t D
   const GroupFn<T> fn = group_for<T>(D);
   parallel(0, S * KV, grain_of(2 * G * L * D, WORK), [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * L), inv(G), buf((G + 1) * D);  // [G, n] scores, then unnormalised probabilities;
-                                                             // 1 / each row's sum; rows(s, h, buf)'s
+                                                             // 1 / each row's sum; queries(s, h, buf)'s
     Keys<T> kv = keys(begin / KV, begin % KV), nk = kv;  // this group's keys, then the next's (each found once)
     for (int64_t i = begin; i < end; ++i, kv = nk) {  // group i: query i / KV, kv head i % KV
       const int64_t s = i / KV, h = i % KV;
-      const Rows q = rows(s, h, buf.data());
+      const Queries q = queries(s, h, buf.data());
       if (i + 1 < end) nk = keys((i + 1) / KV, (i + 1) % KV);
       const Keys<T>* next = i + 1 < end ? &nk : nullptr;
       const int64_t n = kv.n;
@@ -332,10 +332,10 @@ static at::Tensor attend(const at::Tensor& like, int64_t S, int64_t H, int64_t D
 }
 
 // The query rows of group (s, h) of q [S, H, D] (rows may be strided), read in place.
-static auto rows_of(const at::Tensor& q, int64_t G) {
+static auto queries_of(const at::Tensor& q, int64_t G) {
   const float* qp = q.data_ptr<float>();
   const int64_t s0 = q.stride(0), s1 = q.stride(1);
-  return [=](int64_t s, int64_t h, float*) { return Rows{qp + s * s0 + h * G * s1, s1}; };
+  return [=](int64_t s, int64_t h, float*) { return Queries{qp + s * s0 + h * G * s1, s1}; };
 }
 
 // k and v: CPU tensors of one dtype, fp32 or bf16, their last dimension contiguous.
@@ -359,28 +359,28 @@ static at::Tensor by_cache_type(const at::Tensor& k, const Fn& f) {
 static std::pair<std::vector<int64_t>, std::vector<const float*>> spans_of(const std::optional<at::Tensor>& bias,
                                                                            int64_t S, int64_t L, const char* op) {
   std::vector<int64_t> lens(S, L);
-  std::vector<const float*> rows(S, nullptr);
-  if (!bias) return {lens, rows};
+  std::vector<const float*> masks(S, nullptr);
+  if (!bias) return {lens, masks};
   check(*bias, "bias");
   TORCH_CHECK(bias->dim() == 2 && bias->size(0) == S && bias->size(1) == L, op, ": bias [S, L] is needed");
   const float* bp = bias->data_ptr<float>();
   for (int64_t s = 0; s < S; ++s) {
     const float* b = bp + s * bias->stride(0);
     while (lens[s] > 1 && b[lens[s] - 1] == -std::numeric_limits<float>::infinity()) --lens[s];
-    if (!std::all_of(b, b + lens[s], [](float x) { return x == 0.f; })) rows[s] = b;
+    if (!std::all_of(b, b + lens[s], [](float x) { return x == 0.f; })) masks[s] = b;
   }
-  return {lens, rows};
+  return {lens, masks};
 }
 
 // The keys of (sequence s, kv head h) in k and v [S, KV, L, D] (any strides but the last: a slot cache or its view),
 // the first lens[s] of them.
 template <typename T>
 static auto seat_keys(const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& lens,
-                      const std::vector<const float*>& rows) {
+                      const std::vector<const float*>& masks) {
   const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   return [&, kp, vp](int64_t s, int64_t h) {
     return Keys<T>{kp + s * k.stride(0) + h * k.stride(1), vp + s * v.stride(0) + h * v.stride(1), k.stride(2),
-                   v.stride(2), nullptr, rows[s], lens[s]};
+                   v.stride(2), nullptr, masks[s], lens[s]};
   };
 }
 
@@ -394,10 +394,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   q.size(2) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 && k.size(2) > 0,
               "decode_attention: q [S, H, D], k and v [S, KV, L, D] (KV dividing H, L at least 1) are needed");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1), L = k.size(2);
-  const auto [lens, rows] = spans_of(bias, S, L, "decode_attention");
+  const auto [lens, masks] = spans_of(bias, S, L, "decode_attention");
   return by_cache_type(k, [&](auto zero) {
     using T = decltype(zero);
-    return attend<T>(q, S, H, D, KV, L, scale, seat_keys<T>(k, v, lens, rows), rows_of(q, H / KV));
+    return attend<T>(q, S, H, D, KV, L, scale, seat_keys<T>(k, v, lens, masks), queries_of(q, H / KV));
   });
 }
 
@@ -428,13 +428,13 @@ at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
   for (int64_t i = 0; i < S * KV; ++i)  // group i writes only among the keys it reads: no other group's
     TORCH_CHECK(rp[i] >= i * P && rp[i] < (i + 1) * P, "rotary_decode_attention: row ", rp[i], " of sequence ",
                 i / KV, ", kv head ", i % KV, " is outside its own seat's positions [", i * P, ", ", (i + 1) * P, ")");
-  const auto [lens, spans] = spans_of(bias, S, length, "rotary_decode_attention");
+  const auto [lens, masks] = spans_of(bias, S, length, "rotary_decode_attention");
   const int64_t G = heads / KV, qs = qkv.stride(0);
   const float *qp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   return by_cache_type(k_cache, [&](auto zero) {
     using T = decltype(zero);
     T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
-    return attend<T>(qkv, S, heads, D, KV, length, scale, seat_keys<T>(k_cache, v_cache, lens, spans),
+    return attend<T>(qkv, S, heads, D, KV, length, scale, seat_keys<T>(k_cache, v_cache, lens, masks),
                      [&](int64_t s, int64_t h, float* buf) {
                        const float *c = cp + s * cos.stride(0), *n = sp + s * sin.stride(0), *x = qp + s * qs;
                        for (int64_t j = 0; j < G; ++j) rotate_row(x + (h * G + j) * D, c, n, D, buf + j * D);
@@ -443,7 +443,7 @@ at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
                        const int64_t r = rp[s * KV + h];
                        at::vec::convert(key, kc + r * D, D);
                        at::vec::convert(x + (heads + KV + h) * D, vc + r * D, D);
-                       return Rows{buf, D};
+                       return Queries{buf, D};
                      });
   });
 }
@@ -491,7 +491,7 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                      vp + s[0] * v.stride(0) + h * v.stride(1) + s[1] * v.stride(2), k.stride(2), v.stride(2),
                      nullptr, nullptr, n};
     };
-    return attend<T>(q, q.size(0), q.size(1), q.size(2), KV, most, scale, keys, rows_of(q, q.size(1) / KV));
+    return attend<T>(q, q.size(0), q.size(1), q.size(2), KV, most, scale, keys, queries_of(q, q.size(1) / KV));
   });
 }
 
