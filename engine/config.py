@@ -66,7 +66,7 @@ def kv_config(kv) -> dict:
 def load_configured_model(cfg):
     """(Hugging Face model, tokenizer or None) for a composed config; the engine's steps then run on up to
     cfg.threads CPU threads, fewer while other processes keep cores busy (engine/threads.py)."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     threads.govern(int(cfg.threads))
     return load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
@@ -79,7 +79,7 @@ def engine_weights(cfg) -> dict:
     if weights != "gguf":
         return storage
     _check_storage(cfg)
-    from engine.loader import gguf_path
+    from engine.model.loader import gguf_path
 
     return {**storage, "gguf": gguf_path(cfg.model.package, cfg.model.gguf_file)}
 
@@ -87,7 +87,7 @@ def engine_weights(cfg) -> dict:
 def load_engine_model(cfg):
     """(the engine's FlatModel at the configured precision, tokenizer or None): the weights taken from the Hugging
     Face model (or its GGUF file) into the engine's layout, so they exist once (that model can no longer run)."""
-    from engine.model import FlatModel
+    from engine.model.forward import FlatModel
 
     model, tokenizer = load_configured_model(cfg)
     return FlatModel(model, take=True, **engine_weights(cfg)), tokenizer
@@ -95,7 +95,7 @@ def load_engine_model(cfg):
 
 def load_reference_model(cfg):
     """(Hugging Face model, tokenizer) in the dtype the precision level is compared against (reference_dtype)."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     threads.govern(int(cfg.threads))
     return load_model(cfg.model, cfg.precision.get("reference_dtype", cfg.precision.dtype), cfg.precision.device)

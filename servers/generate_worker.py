@@ -20,8 +20,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.streamers import BaseStreamer
 
 from engine import SamplingParams, StepEvent
-from engine.hf import generate_padded
-from engine.request import check_request, stop_reason
+from engine.core.request import check_request, stop_reason
+from engine.model.hf import generate_padded
 from servers.worker import SHUTDOWN, Worker, hand_off
 
 BACKEND_DOWN = "the generate backend failed; see /health"

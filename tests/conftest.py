@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.loader import load_model
+from engine.model.loader import load_model
 from tests.serving import BACKENDS, Server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model, prepared from its GGUF package on first use."""
-    from engine.loader import prepare
+    from engine.model.loader import prepare
 
     cfg = model_cfg("smollm2-135m")
     cfg.path = str(ROOT / cfg.path)
@@ -57,7 +57,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir():
     """The folder with SmolLM2's tokenizer, prepared from its GGUF package on first use."""
-    from engine.loader import prepare
+    from engine.model.loader import prepare
 
     cfg = model_cfg("smollm2-135m")
     cfg.path = str(ROOT / cfg.path)

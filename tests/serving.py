@@ -11,7 +11,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLMEngine
-from engine.loader import eos_ids
+from engine.model.loader import eos_ids
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker

@@ -11,8 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.config import compose_config
-from engine.hf import generate_alone
-from engine.loader import load_model
+from engine.model.hf import generate_alone
+from engine.model.loader import load_model
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 from tests.conftest import TINY, model_cfg
 

@@ -4,14 +4,14 @@ import random
 
 import pytest
 
-import engine.blocks
 from engine import LLMEngine, RequestError, SamplingParams
-from engine.blocks import BlockManager
 from engine.config import kv_config
-from engine.outputs import RunnerOutput
-from engine.policies import make_scheduler
-from engine.request import Request, Status
-from engine.simulator import CostModel, SimRunner, VirtualClock
+from engine.core import kv_blocks
+from engine.core.kv_blocks import BlockManager
+from engine.core.outputs import RunnerOutput
+from engine.core.policies import make_scheduler
+from engine.core.request import Request, Status
+from engine.core.simulator import CostModel, SimRunner, VirtualClock
 
 
 def span(seq):
@@ -116,7 +116,7 @@ def test_fuzz_keeps_the_invariants_and_reuses_only_equal_prefixes(seed, prefix_c
 @pytest.mark.parametrize("seed", range(2))
 def test_a_constant_hash_cannot_cause_a_wrong_reuse(monkeypatch, seed):
     """Every block gets the same key: lookups meet blocks of other tokens and other parents, and refuse them."""
-    monkeypatch.setattr(engine.blocks, "chain_hash", lambda parent, tokens: 0)
+    monkeypatch.setattr(kv_blocks, "chain_hash", lambda parent, tokens: 0)
     fz = Fuzz(BlockManager(num_blocks=20, block_size=4, watermark=1), random.Random(seed))
     for _ in range(3000):
         fz.step()
@@ -128,7 +128,7 @@ def test_a_constant_hash_cannot_cause_a_wrong_reuse(monkeypatch, seed):
 def test_a_colliding_block_with_the_same_tokens_but_another_parent_is_not_reused(monkeypatch):
     """[A, A, x] registers its first block A; under a constant hash the lookup of [A, A, y]'s second block finds
     that same block (same tokens, key 0) but as a first block, not as a child of A: only one block is reused."""
-    monkeypatch.setattr(engine.blocks, "chain_hash", lambda parent, tokens: 0)
+    monkeypatch.setattr(kv_blocks, "chain_hash", lambda parent, tokens: 0)
     bm, a = BlockManager(num_blocks=8, block_size=2, watermark=0), [5, 6]
     first = a + a + [7]
     bm.allocate("first", len(first), span(first))

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.hf import generate_padded
-from engine.kv_cache import make_cache
-from engine.loader import load_model
-from engine.model import FlatModel
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.runner import ModelRunner
+from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_padded
+from engine.model.kv_cache import make_cache
+from engine.model.loader import load_model
+from engine.model.runner import ModelRunner
 from pipeline.measuring.cache import append_s
 from pipeline.measuring.timing import step_floor_ms
 from tests.conftest import TINY, model_cfg

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.machine import PeakRSS, retain_freed_memory, rss_mb
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
 
 
 def test_peak_covers_memory_freed_inside_the_block():

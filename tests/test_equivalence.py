@@ -7,12 +7,12 @@ import torch
 from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
-from engine.hf import generate_alone
-from engine.kv_cache import make_cache
-from engine.loader import random_model
-from engine.model import ROW_BLOCK, FlatModel
-from engine.request import Status
-from engine.runner import ModelRunner
+from engine.core.request import Status
+from engine.model.forward import ROW_BLOCK, FlatModel
+from engine.model.hf import generate_alone
+from engine.model.kv_cache import make_cache
+from engine.model.loader import random_model
+from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine.hf import generate_alone
-from engine.loader import load_model
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
+from engine.model.loader import load_model
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 from pipeline.measuring.timing import engine_case, hf_case
 from pipeline.workloads.prompts import prompts_for

@@ -1,4 +1,4 @@
-"""The product each weight shape uses per row count (engine/kernels.py): every choice gives generate's tokens, the
+"""The product each weight shape uses per row count (engine/kernels/choice.py): every choice gives generate's tokens, the
 choice is measured once per machine and read back from the cache, and only the chosen layouts are held."""
 import json
 import os
@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from engine import kernels
-from engine.compiled import keep_inductor_cache
-from engine.hf import generate_alone
-from engine.model import FlatModel
+from engine.kernels import choice as kernels
+from engine.model.compiled import keep_inductor_cache
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
 from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 
 CPU = kernels.candidates(torch.device("cpu"), torch.float32)

@@ -2,7 +2,7 @@
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.kv_cache import CatCache, SlotCache
+from engine.model.kv_cache import CatCache, SlotCache
 
 
 def test_slot_cache_size_is_exact_and_fixed(tiny_llama):

@@ -3,8 +3,8 @@ written, read back as fp32 exactly, by the fused kernels and by every ATen path 
 import pytest
 import torch
 
-from engine import native
-from engine.model import FlatModel
+from engine.kernels import build as native
+from engine.model.forward import FlatModel
 from pipeline.measuring.accuracy import logits_of
 
 lab = native.ops()

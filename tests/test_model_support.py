@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.hf import generate_alone
-from engine.kv_cache import make_cache
-from engine.loader import random_model
-from engine.model import FlatModel
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.runner import ModelRunner
+from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
+from engine.model.kv_cache import make_cache
+from engine.model.loader import random_model
+from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import run_scenario
 
 BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -1,4 +1,4 @@
-"""The fused fp32 CPU kernels (engine/native.cpp, engine/decode_attention.cpp): each equals the ATen operators it
+"""The fused fp32 CPU kernels (engine/kernels/csrc/native.cpp, engine/kernels/csrc/decode_attention.cpp): each equals the ATen operators it
 replaces, masked keys are never read, the library is built once per machine, and a failed build leaves the steps
 on ATen's operators."""
 import logging
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native
-from engine.hf import generate_alone
-from engine.model import FlatModel
+from engine.kernels import build as native
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
 from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 
 CXX = native.compiler()
@@ -179,7 +179,7 @@ def test_token_attention_reads_each_tokens_own_keys_in_a_slot_cache(heads, kv, d
 def test_token_attention_reads_a_paged_cache_through_its_rows():
     """Through each sequence's block rows (blocks in no order): the same as attention over the gathered keys; rows
     no span covers hold NaN, unread."""
-    from engine.kv_cache import PagedCache
+    from engine.model.kv_cache import PagedCache
 
     g = torch.Generator().manual_seed(0)
     cache = PagedCache(1, 12, 4, 2, 16)
@@ -215,7 +215,7 @@ def test_kernels_refuse_what_they_do_not_compute():
 
 EMPTY = """
 import torch
-from engine import native
+from engine.kernels import build as native
 lab, z = native.ops(), torch.zeros
 assert lab.rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.silu_mul(z(2, 0)).shape == (2, 0)
 lab.rotary_(z(1, 0, 4), z(1, 4), z(1, 4))
@@ -281,7 +281,7 @@ def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch,
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.setattr(native, "_loaded", False)
     monkeypatch.setattr(native, "error", None)
-    with caplog.at_level(logging.WARNING, logger="engine.native"):
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.build"):
         assert native.ops() is None and native.ops() is None
     assert "no-such-compiler" in native.error
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1

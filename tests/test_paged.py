@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import LLMEngine, SamplingParams
-from engine.hf import generate_alone
-from engine.kv_cache import PagedCache
-from engine.loader import eos_ids
-from engine.model import FlatModel
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.runner import ModelRunner
+from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
+from engine.model.kv_cache import PagedCache
+from engine.model.loader import eos_ids
+from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import ARRIVE, LENS, scenario_prompts
 
 BS = 4  # tokens per block in these tests: short prompts cross many block boundaries

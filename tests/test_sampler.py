@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.sampler import Sampler, first_argmax, token_logprobs
+from engine.model.sampler import Sampler, first_argmax, token_logprobs
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():

@@ -1,9 +1,9 @@
 """Model-free scheduler tests: hand-made runner outputs, one SchedulerOutput per step."""
 import pytest
 
-from engine.outputs import RunnerOutput
-from engine.policies import make_scheduler
-from engine.request import Request, SamplingParams, Status
+from engine.core.outputs import RunnerOutput
+from engine.core.policies import make_scheduler
+from engine.core.request import Request, SamplingParams, Status
 
 
 def req(rid, prompt_len, max_new=4, arrival=0.0):

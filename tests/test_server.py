@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from engine.hf import generate_alone
+from engine.model.hf import generate_alone
 from tests.serving import BACKENDS, Server, client
 
 

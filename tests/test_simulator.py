@@ -6,8 +6,8 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.config import compose_config
-from engine.policies import Chunked
-from engine.simulator import CostModel, SimRunner, VirtualClock
+from engine.core.policies import Chunked
+from engine.core.simulator import CostModel, SimRunner, VirtualClock
 from pipeline.measuring.metrics import summarize
 from pipeline.measuring.replay import replay
 from pipeline.modeling.cost_fit import fit

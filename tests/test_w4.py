@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from engine import native
-from engine.hf import generate_alone
-from engine.loader import gguf_path, random_model
-from engine.model import FlatModel
-from engine.quantized import gguf_layers
+from engine.kernels import build as native
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
+from engine.model.loader import gguf_path, random_model
+from engine.model.quantized import gguf_layers
 from pipeline.measuring.equivalence import (
     ARRIVE,
     LENS,

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.kv_cache import make_cache
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.runner import ModelRunner
+from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.model.kv_cache import make_cache
+from engine.model.runner import ModelRunner
 from pipeline.workloads.prompts import long_prompts, short_prompts
 
 TIE = 1e-3            # log-probability gap of the reference's top two below which a position is a near-tie

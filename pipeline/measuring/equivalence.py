@@ -3,9 +3,9 @@ second; the reference is Hugging Face generate on each request alone (engine.hf)
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.hf import generate_alone
-from engine.loader import eos_ids
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_alone
+from engine.model.loader import eos_ids
 from pipeline.workloads.prompts import CHAT, chat_ids
 
 NEAR_TIE = 1e-3  # logits: a reference's best beating another token by at most this is a near-tie (summation order)

@@ -9,9 +9,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import LLMEngine, SamplingParams
 from engine.config import engine_weights
-from engine.machine import environment
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
 from pipeline.measuring.disturbance import measured
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.timing import bandwidth_gbs, best_of, step_floor_ms
 from pipeline.workloads.prompts import prompts_for
 
@@ -38,7 +38,7 @@ def step_split(net: FlatModel, batch: int, steps: int = 6, fused: bool = True) -
     """One engine decoding `batch` short chat prompts: its decode step's wall time (median of `steps`, ms), then
     the same steps under torch.profiler, split into PARTS by top-level operator, "other operators", and the time
     outside operators (Python, scheduling, sampling bookkeeping), ms per step; the profiler's own cost makes the
-    profiled step longer than the plain one. fused: the net's fused CPU kernels (engine/native.py) if it has them,
+    profiled step longer than the plain one. fused: the net's fused CPU kernels (engine/kernels/build.py) if it has them,
     else ATen's operators alone."""
     ops = net.fused
     net.fused = ops if fused else None

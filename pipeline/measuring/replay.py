@@ -8,7 +8,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
-from engine.loader import eos_ids
+from engine.model.loader import eos_ids
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.results import write_json, write_parquet

@@ -14,7 +14,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine.config import ROOT, engine_weights, load_configured_model, load_reference_model
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
 from pipeline.measuring.disturbance import measured, server_pids
 from pipeline.measuring.loadgen import closed_loop, open_loop
 from pipeline.measuring.metrics import slo_limits, summarize

@@ -14,10 +14,10 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from engine import LLMEngine, SamplingParams
-from engine.hf import generate_padded
-from engine.loader import eos_ids
 from engine.machine import PeakRSS, synchronize
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
+from engine.model.hf import generate_padded
+from engine.model.loader import eos_ids
 from pipeline.measuring.disturbance import ImpossibleFigure, measured
 from pipeline.workloads.prompts import prompts_for
 

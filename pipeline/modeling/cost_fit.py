@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import nnls
 
-from engine.simulator import FEATURES, CostModel
+from engine.core.simulator import FEATURES, CostModel
 
 
 def errors(model: CostModel, steps: pd.DataFrame) -> dict:

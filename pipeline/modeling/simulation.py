@@ -15,8 +15,8 @@ from scipy.stats import spearmanr
 
 from engine import LLMEngine
 from engine.config import ROOT
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.simulator import CostModel, SimRunner, VirtualClock
+from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.core.simulator import CostModel, SimRunner, VirtualClock
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.measuring.replay import replay
 from pipeline.workloads.generate import build

@@ -1,5 +1,5 @@
 """reports/HARDWARE.md from the probe's figures (pipeline/measuring/hardware.py)."""
-from engine import kernels
+from engine.kernels import choice as kernels
 
 
 def render_split(h: dict) -> list[str]:
@@ -12,7 +12,7 @@ def render_split(h: dict) -> list[str]:
              "per operator, so the profiled step is longer). `outside operators`: Python, scheduling, sampling "
              "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above). "
              "`fused`: the engine's own kernels for norms, rotary, SiLU x up, KV writes and decode attention "
-             "(engine/native.py, the default where they build), all layers in one call whose steps are split by the "
+             "(engine/kernels/build.py, the default where they build), all layers in one call whose steps are split by the "
              "operator each calls (`rest of the layers call`: that call's own work between them; a decode step's "
              "rotary and KV writes run inside its decode attention kernel, and count there); `ATen`: torch's "
              "operators for them.", "",
@@ -48,7 +48,7 @@ def render(h: dict) -> str:
         lines.append(f"| {f['batch']} | {f['measured_ms']:.1f} | {f['measured_ms'] / one:.2f} | "
                      f"{f['tok_s_ceiling']:.0f} | {f['roofline_ms']:.1f} | {f['intensity']:.1f} | {f['regime']} |")
     lines += ["", "The floor uses, for each matrix shape and row count, the product measured fastest on this machine "
-              "(engine/kernels.py; the engine uses the same choice). Each candidate's time for every matrix of the "
+              "(engine/kernels/choice.py; the engine uses the same choice). Each candidate's time for every matrix of the "
               f"shape (all layers; past {kernels.STREAMED} rows a share of them, scaled), median of {kernels.REPEATS}, "
               "ms; the chosen one in bold (measured again on every run, a choice "
               f"changes only for a candidate faster by more than {kernels.MARGIN:.0%}):", "",

@@ -6,7 +6,7 @@ validation and precision take their results file instead, and sweep_table and go
 """
 import math
 
-from engine.simulator import UNITS
+from engine.core.simulator import UNITS
 
 
 def fmt(v, digits: int = 2) -> str:

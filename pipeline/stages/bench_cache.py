@@ -1,7 +1,7 @@
 """Stage bench_cache: seed 003 §3, the growing torch.cat cache against the slot cache (data/results/cache.json)."""
 from engine.config import ROOT, load_engine_model
-from engine.machine import environment
 from pipeline.measuring.cache import BATCH, compare
+from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.timings import timed_stage

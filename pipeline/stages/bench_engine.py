@@ -6,7 +6,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine.config import ROOT, load_engine_model
-from engine.machine import environment
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.replay import run_table, save_table
 from pipeline.params import load
 from pipeline.timings import timed_stage

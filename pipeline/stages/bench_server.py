@@ -6,7 +6,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine.config import ROOT
-from engine.machine import environment
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import run_servers
 from pipeline.params import load
 from pipeline.reporting.scoreboard import scoreboard

@@ -3,8 +3,8 @@
 import sys
 
 from engine.config import ROOT, engine_weights, load_configured_model
-from engine.machine import environment
 from pipeline.measuring.equivalence import LENS, NEAR_TIE, check
+from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.timings import timed_stage

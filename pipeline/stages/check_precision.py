@@ -1,10 +1,10 @@
 """Stage check_precision: each precision level's accuracy against fp32, the noise floor first
 (reports/precision.json: {"levels": {level: figures}, "noise_floor": figures, ...})."""
 from engine.config import ROOT, compose_config, engine_weights, load_configured_model
-from engine.kernels import candidates
-from engine.machine import environment
-from engine.model import FlatModel
+from engine.kernels.choice import candidates
+from engine.model.forward import FlatModel
 from pipeline.measuring import accuracy
+from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.timings import timed_stage

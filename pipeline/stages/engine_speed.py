@@ -6,9 +6,9 @@ import torch
 
 from engine import threads
 from engine.config import ROOT, compose_config, engine_weights
-from engine.loader import load_model
-from engine.machine import environment
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
+from engine.model.loader import load_model
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.timing import engine_speed
 from pipeline.params import load
 from pipeline.results import write_json

@@ -1,7 +1,7 @@
 """Stage prepare_model: a GGUF-sourced model dequantized once into its fp32 safetensors folder (model.path), and
 data/models/prepared.json."""
 from engine.config import ROOT
-from engine.loader import prepare
+from engine.model.loader import prepare
 from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.timings import timed_stage

@@ -2,7 +2,7 @@
 import json
 
 from engine.config import ROOT
-from engine.simulator import CostModel
+from engine.core.simulator import CostModel
 from pipeline.modeling.simulation import run_all
 from pipeline.params import load
 from pipeline.results import write_json

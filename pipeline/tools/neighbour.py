@@ -10,9 +10,9 @@ import torch
 
 from engine import threads
 from engine.config import ROOT, engine_weights, load_configured_model
-from engine.machine import environment
-from engine.model import FlatModel
+from engine.model.forward import FlatModel
 from pipeline.measuring.disturbance import Watch
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.timing import engine_run
 from pipeline.params import load
 from pipeline.results import write_json

@@ -19,9 +19,10 @@ import httpx
 from omegaconf import OmegaConf
 
 from engine.config import ROOT, compose_config
-from engine.loader import gguf_path
-from engine.machine import cpu_units, environment
+from engine.machine import cpu_units
+from engine.model.loader import gguf_path
 from pipeline.measuring.disturbance import server_pids
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import free_port, measure, start, stop, wait_ready
 from pipeline.params import load
 from pipeline.reporting.tables import accuracy_of, fmt

@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from engine.config import load_engine_model
-from engine.machine import environment
+from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.replay import run_one, save_table
 from pipeline.reporting.tables import sweep
 from pipeline.results import write_text

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from engine.loader import load_tokenizer
+from engine.model.loader import load_tokenizer
 from pipeline.workloads.prompts import long_prompts, short_prompts
 from pipeline.workloads.runs import runs
 

@@ -1,9 +1,9 @@
 """Weights held below fp32, each a drop-in for kernels.Dense (y = x W^T (+ bias) (+ residual), fp32 in and out):
 
-GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the fused kernels (engine/quant.cpp), which
+GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the fused kernels (engine/kernels/csrc/quant.cpp), which
   dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32; on a CPU with AVX512-VNNI
   Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32 (`arithmetic`).
-Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/bf16.cpp on AVX512-BF16).
+Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp on AVX512-BF16).
 
 gguf_layers reads a llama-family GGUF file's linear weights as stored, rows in Hugging Face's order (q and k rows
 un-permuted as transformers' GGUF loader does), q/k/v and gate/up concatenated as the engine fuses them.
@@ -50,7 +50,7 @@ class GgufDense:
 
 class Bf16Dense:
     """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32: the fused kernel
-    (engine/bf16.cpp) where the CPU has AVX512-BF16 (`native`), else torch's bf16 product (its output rounded to
+    (engine/kernels/csrc/bf16.cpp) where the CPU has AVX512-BF16 (`native`), else torch's bf16 product (its output rounded to
     bf16 too: the stated fallback)."""
 
     def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None, ops=None):

@@ -1,8 +1,8 @@
-// Products with bf16 weights for the fused kernels (torch.ops.lab.bf16_*; schemas in engine/native.cpp): x rounded to
+// Products with bf16 weights for the fused kernels (torch.ops.lab.bf16_*; schemas in engine/kernels/csrc/native.cpp): x rounded to
 // bf16 (nearest even), bf16 x bf16 products summed in fp32 (AVX512-BF16's dot products of pairs), fp32 out. The
 // weight is packed once in tiles of 16 output rows, each pair of a row's inputs side by side (a vector holds one pair
 // of 16 rows), so that a lane is an output and no sum crosses lanes. Where the CPU has no AVX512-BF16 (bf16_native()
-// false) the engine runs torch's bf16 product instead (engine/quantized.py).
+// false) the engine runs torch's bf16 product instead (engine/model/quantized.py).
 #include "native.h"
 
 #include <ATen/ops/empty.h>

@@ -9,7 +9,7 @@ more rows the matrix-matrix ones: a jump in step time that no per-row cost descr
 """
 from dataclasses import dataclass, field
 
-from engine.outputs import RunnerOutput, SchedulerOutput
+from engine.core.outputs import RunnerOutput, SchedulerOutput
 
 FEATURES = ("num_prompt_tokens", "num_decode_rows", "num_sampled_rows", "decode_attention", "prompt_attention",
             "is_mixed", "multi_row")

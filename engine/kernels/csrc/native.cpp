@@ -1,5 +1,5 @@
-// Fused fp32 CPU kernels for the steps' small operators, registered as torch.ops.lab.* (built by engine/native.py
-// with engine/decode_attention.cpp). Each replaces several ATen calls (and their temporaries) with one pass over the
+// Fused fp32 CPU kernels for the steps' small operators, registered as torch.ops.lab.* (built by engine/kernels/build.py
+// with engine/kernels/csrc/decode_attention.cpp). Each replaces several ATen calls (and their temporaries) with one pass over the
 // data, vectorized with ATen's Vectorized<float> (AVX-512, AVX2 or scalar, as built), parallel over rows (native.h's
 // parallel).
 #include "native.h"
@@ -126,12 +126,12 @@ TORCH_LIBRARY(lab, m) {
   m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
   m.def("rotary_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor rows, Tensor? bias, int length, int heads, float scale) -> Tensor");
-  m.def("q4_1_pack(Tensor blocks) -> Tensor");  // Q4_1 and Q8_0 products: engine/quant.cpp
+  m.def("q4_1_pack(Tensor blocks) -> Tensor");  // Q4_1 and Q8_0 products: engine/kernels/csrc/quant.cpp
   m.def("q8_0_pack(Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
-  m.def("bf16_pack(Tensor w) -> Tensor");  // bf16 products: engine/bf16.cpp
+  m.def("bf16_pack(Tensor w) -> Tensor");  // bf16 products: engine/kernels/csrc/bf16.cpp
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");  // rms_norm and silu_mul rounded to bf16
   m.def("bf16_silu_mul(Tensor gu) -> Tensor");
@@ -140,7 +140,7 @@ TORCH_LIBRARY(lab, m) {
         "int heads, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the attention kernels are registered in engine/decode_attention.cpp
+TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the attention kernels are registered in engine/kernels/csrc/decode_attention.cpp
   m.impl("rms_norm", rms_norm);
   m.impl("first_argmax", first_argmax);
   m.impl("silu_mul", silu_mul);

@@ -1,4 +1,4 @@
-// The vector type of the GGUF products (engine/quant.cpp), per instruction set: F holds one fp32 value of each of a
+// The vector type of the GGUF products (engine/kernels/csrc/quant.cpp), per instruction set: F holds one fp32 value of each of a
 // tile's 16 output rows (a lane each); the loads fill it from a tile's fields.
 #pragma once
 #include "native.h"

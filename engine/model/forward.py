@@ -1,16 +1,16 @@
 """One forward pass over a flattened, ragged batch of tokens for Llama-family models (Llama, Mistral, Qwen2).
 
 The weights are copies of the Hugging Face model's with q/k/v and gate/up fused into one matrix each, held in the
-layouts of the products engine/kernels.py chose for each row count, measured once per machine ([in, out], [out, in],
+layouts of the products engine/kernels/choice.py chose for each row count, measured once per machine ([in, out], [out, in],
 or MKL's or oneDNN's packed layouts on fp32 CPUs, which save repacking the weight on every call).
 The attention scale is folded into the q rows of the fused matrix when that is exact in any dtype (a power of two,
 as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) the attention applies it, as Hugging Face does.
-Each layer's attention is the step's path from engine/attention.py (softmax in fp32 whatever the weights' dtype);
+Each layer's attention is the step's path from engine/model/attention.py (softmax in fp32 whatever the weights' dtype);
 logits come out in fp32 for the sampler.
 Steps of decodes only may run through torch.compile (forward's `compiled`).
 On fp32 CPUs the norms, rotary, SiLU x up, KV writes and attention (but that of whole prompts of one length) run as
-fused kernels (engine/native.py) where they build, ATen's operators otherwise (`fused`).
-A config is checked first (engine/support.py): a field whose effect this pass does not compute is refused by name. A
+fused kernels (engine/kernels/build.py) where they build, ATen's operators otherwise (`fused`).
+A config is checked first (engine/model/support.py): a field whose effect this pass does not compute is refused by name. A
 sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
 """
 import math
@@ -19,13 +19,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from engine import kernels, native, threads
-from engine.attention import DenseDecode, Spans, StepInputs
-from engine.compiled import CompiledStep
-from engine.kernels import Dense
-from engine.kv_cache import CatCache
-from engine.quantized import Bf16Dense, GgufDense, gguf_layers
-from engine.support import ACTIVATIONS, check_config
+from engine import threads
+from engine.kernels import build as native
+from engine.kernels import choice as kernels
+from engine.kernels.choice import Dense
+from engine.model.attention import DenseDecode, Spans, StepInputs
+from engine.model.compiled import CompiledStep
+from engine.model.kv_cache import CatCache
+from engine.model.quantized import Bf16Dense, GgufDense, gguf_layers
+from engine.model.support import ACTIVATIONS, check_config
 
 WEIGHTS = ("model", "bf16", "gguf")  # how the engine stores the weights (conf/precision: `weights`)
 KV_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # conf/precision: `kv_dtype`
@@ -33,21 +35,19 @@ ROW_BLOCK = 1024  # tokens per MLP block in long prefills: keeps the [rows, 2 x 
 KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
 
-NATIVE_PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layers' kinds, in order
-
 
 def native_product(d, bucket: int) -> tuple | None:
     """(kind, weight, aux, bias) of the product a Dense or GgufDense runs at a row bucket, as lab.layers takes it;
     None for one lab.layers does not call."""
     if isinstance(d, GgufDense):
-        return NATIVE_PRODUCTS.index(d.fmt), d.packed, None, d.bias
+        return native.PRODUCTS.index(d.fmt), d.packed, None, d.bias
     if isinstance(d, Bf16Dense):
-        return (NATIVE_PRODUCTS.index("bf16"), d.w, d.n, d.bias) if d.native else None
+        return (native.PRODUCTS.index("bf16"), d.w, d.n, d.bias) if d.native else None
     if not isinstance(d, Dense):
         return None
     name = d.products[bucket]
     weight = {"in_out": d.w, "linear": d.w_out_in, "packed": d.packed, "onednn": d.dnn}[name]
-    return NATIVE_PRODUCTS.index(name), weight, d.size if name == "packed" else None, d.bias
+    return native.PRODUCTS.index(name), weight, d.size if name == "packed" else None, d.bias
 
 
 def _bias(projections, scales=None) -> torch.Tensor | None:
@@ -85,10 +85,10 @@ class FlatModel:
                  fused: bool = True, weights: str = "model", gguf=None, kv_dtype: str | None = None):
         """take: the Hugging Face model gives up each layer's weights as soon as the engine holds them in its own
         layout (the weights then exist once); it cannot run afterwards. kernel: one product for every matrix and
-        row count (a kernels.candidates name); None: each shape's measured choice (engine/kernels.py), `remeasure`
-        measuring it again. fused: engine/native.py's kernels on an fp32 CPU, where they build (`self.fused`:
+        row count (a kernels.candidates name); None: each shape's measured choice (engine/kernels/choice.py), `remeasure`
+        measuring it again. fused: engine/kernels/build.py's kernels on an fp32 CPU, where they build (`self.fused`:
         their ops, else None). weights (a precision level's storage): "model" as the Hugging Face model holds
-        them; "bf16"; "gguf", the blocks of the GGUF file `gguf` as stored (engine/quantized.py). With bf16 or
+        them; "bf16"; "gguf", the blocks of the GGUF file `gguf` as stored (engine/model/quantized.py). With bf16 or
         gguf weights the activations, norms and softmax stay fp32. kv_dtype: the KV cache's ("float32" or
         "bfloat16"; None: the activations' dtype), read back in the activations' dtype."""
         cfg = hf_model.config
@@ -208,7 +208,7 @@ class FlatModel:
     def forward(self, inputs: StepInputs, cache, compiled: bool = False, graphs: bool = False) -> torch.Tensor:
         """float32 logits [len(inputs.logit_rows), vocab]. compiled: a step of decodes only (DenseDecode) runs
         through torch.compile, each step shape (one row; several; per kernel row bucket) compiled once per process
-        (engine/compiled.py; LLMEngine.warm_up compiles them all up front), eager where compiling fails. graphs: such
+        (engine/model/compiled.py; LLMEngine.warm_up compiles them all up front), eager where compiling fails. graphs: such
         a step is padded to a few shapes (_bucketed), on CUDA each captured once as a CUDA graph and replayed."""
         threads.tick()
         if not (isinstance(inputs.attention, DenseDecode) and (compiled or graphs)):
@@ -304,7 +304,7 @@ class FlatModel:
     def _rope(self, positions: torch.Tensor, end: int, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, D] of each position (all below `end`), sin's first half negated (rotate_half(x) * sin =
         swap(x) * this): rows of a table the model's rotary module computed once for positions [0, 2^k) (its
-        frequencies are fixed: engine/support.py), grown when a step reaches past it; a traced step computes its own
+        frequencies are fixed: engine/model/support.py), grown when a step reaches past it; a traced step computes its own
         (no table that grows under torch.compile)."""
         if traced:
             return self._rope_rows(positions)

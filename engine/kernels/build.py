@@ -1,5 +1,5 @@
-"""The fused fp32 CPU kernels of engine/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
-first_argmax) and engine/decode_attention.cpp (decode_attention, rotary_decode_attention, token_attention), built
+"""The fused fp32 CPU kernels of engine/kernels/csrc/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
+first_argmax) and engine/kernels/csrc/decode_attention.cpp (decode_attention, rotary_decode_attention, token_attention), built
 into one library once per machine with the system's C++ compiler for the vector instructions torch uses here
 (AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the
 flags. Where building or loading fails, `ops()` is None and the steps run ATen's operators instead; the reason is
@@ -17,12 +17,13 @@ import torch
 from engine import machine
 
 log = logging.getLogger(__name__)
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent / "csrc"
 SOURCES = [HERE / f for f in ("native.cpp", "decode_attention.cpp", "quant.cpp", "bf16.cpp", "layer.cpp")]
 HEADERS = [HERE / "native.h", HERE / "quant.h"]  # what the sources include
 ISA = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
        "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}  # torch's CPU capability -> compiler flags
-VNNI = ["-DLAB_VNNI"]  # with AVX512 on a CPU with AVX512-VNNI: Q4_1's integer products (engine/quant.cpp)
+VNNI = ["-DLAB_VNNI"]  # with AVX512 on a CPU with AVX512-VNNI: Q4_1's integer products (engine/kernels/csrc/quant.cpp)
+PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layers' product kinds, in order
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 

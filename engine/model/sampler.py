@@ -9,8 +9,8 @@ the GPU), so sampling reads nothing back from the device but the chosen ids.
 """
 import torch
 
-from engine import native
-from engine.device import to_device
+from engine.kernels import build as native
+from engine.model.device import to_device
 
 
 def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:

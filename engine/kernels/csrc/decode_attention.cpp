@@ -1,5 +1,5 @@
 // Attention for the fused kernels (torch.ops.lab.decode_attention, rotary_decode_attention and token_attention;
-// schemas in engine/native.cpp): each (query token, kv head) reads its keys once for all query heads of its GQA group,
+// schemas in engine/kernels/csrc/native.cpp): each (query token, kv head) reads its keys once for all query heads of its GQA group,
 // masked keys never read, the next group's keys and values prefetched meanwhile. The cache holds fp32 or bf16 (read
 // as fp32: exact); q, the scores, the softmax and the output are fp32; the softmax's division is applied once to each
 // output row.

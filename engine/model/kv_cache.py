@@ -29,7 +29,7 @@ class SlotCache:
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops=None):
         """k, v: [T, kv heads, dim], stored at `rows` in the cache's dtype. ops: the fused kernels
-        (engine/native.py), which copy strided k and v without first making them contiguous."""
+        (engine/kernels/build.py), which copy strided k and v without first making them contiguous."""
         D = k.shape[-1]
         if ops is not None:
             ops.write_rows_(self.k[layer].view(-1, D), rows, k)

@@ -1,5 +1,5 @@
 // Products with 4- and 8-bit GGUF weights (Q4_1, Q8_0) for the fused kernels (torch.ops.lab.*; schemas in
-// engine/native.cpp): the weights repacked once in tiles of 16 rows, each block's rows side by side, so that a vector
+// engine/kernels/csrc/native.cpp): the weights repacked once in tiles of 16 rows, each block's rows side by side, so that a vector
 // holds one weight of 16 output rows and no sum ever crosses lanes. fp32 throughout: each block adds
 // d * sum(x * q) (+ m * sum(x)) to a row's sum, its codes' sum taken in one fixed order, so that a result row is the
 // same bits whatever the number of rows T beside it. Each thread reads its tiles once for all T rows of x.

@@ -1,5 +1,5 @@
 """The scheduler: who runs each step and how many tokens each, one SchedulerOutput per step. Policies subclass it
-(engine/policies.py); the bookkeeping they share (queue, admission, appending tokens, finishing) lives here.
+(engine/core/policies.py); the bookkeeping they share (queue, admission, appending tokens, finishing) lives here.
 
 On the slot cache each running request holds a seat (a row of the cache). On a paged cache (`use_blocks`) its K/V
 live in blocks of an engine.blocks.BlockManager: admission needs blocks for the whole sequence (less its
@@ -11,9 +11,9 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 
-from engine.blocks import BlockManager
-from engine.outputs import KVUsage, RunnerOutput, ScheduledChunk, SchedulerOutput, StepEvent
-from engine.request import Request, SamplingParams, Status, stop_reason
+from engine.core.kv_blocks import BlockManager
+from engine.core.outputs import KVUsage, RunnerOutput, ScheduledChunk, SchedulerOutput, StepEvent
+from engine.core.request import Request, SamplingParams, Status, stop_reason
 
 ZOMBIE = SamplingParams()  # a zombie row's sampling: its token is discarded, so greedy, no penalties, no RNG
 

@@ -1,4 +1,4 @@
-"""Which model configs the engine's forward pass (engine/model.py) computes: check_config refuses, by name, a field
+"""Which model configs the engine's forward pass (engine/model/forward.py) computes: check_config refuses, by name, a field
 whose effect it would not reproduce, and gives the attention window."""
 import torch.nn.functional as F
 
@@ -15,7 +15,7 @@ LAYER_PARAMS = {f"{block}.{proj}_proj.{t}" for block, projs in (("self_attn", "q
 
 
 def check_config(hf_model) -> int | None:
-    """Refuse, with a ValueError naming the field, a model whose forward pass engine/model.py would not reproduce;
+    """Refuse, with a ValueError naming the field, a model whose forward pass engine/model/forward.py would not reproduce;
     return its attention window (tokens, the query included; None = unlimited)."""
     cfg = hf_model.config
 

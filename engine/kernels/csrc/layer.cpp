@@ -1,8 +1,8 @@
-// Every decoder layer of a step in one call (torch.ops.lab.layers; schema in engine/native.cpp), each layer: norm, qkv
+// Every decoder layer of a step in one call (torch.ops.lab.layers; schema in engine/kernels/csrc/native.cpp), each layer: norm, qkv
 // product, rotary, KV writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product
 // (+ residual), each step the same operator the Python layer loop calls (a decode's rotary, K/V writes and attention
 // fused in one, rotary_decode_attention, with the values of the three), so the results are the same bits; only the
-// per-operator Python dispatch is gone. Each product is named by its kind (Product, in the order of engine/model.py's
+// per-operator Python dispatch is gone. Each product is named by its kind (Product, in the order of engine/model/forward.py's
 // NATIVE_PRODUCTS). Each step is recorded under its operator's name for the profiler (probe_hardware's split).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>

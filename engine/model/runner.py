@@ -1,19 +1,19 @@
 """The model runner: one forward pass per SchedulerOutput, one sampled token per chunk that samples.
 
 It never branches on the policy: a decode, a whole prompt and a prompt chunk are chunks of different lengths. It
-picks the step's attention path (engine/attention.py) from the step's shape; only plain values go back.
+picks the step's attention path (engine/model/attention.py) from the step's shape; only plain values go back.
 """
 import torch
 
-from engine.attention import DecodePart, DenseDecode, EqualPrompts, Padded, PromptPart, Spans, StepInputs
-from engine.device import to_device
-from engine.outputs import RunnerOutput, SchedulerOutput
-from engine.sampler import Sampler, token_logprobs
+from engine.core.outputs import RunnerOutput, SchedulerOutput
+from engine.model.attention import DecodePart, DenseDecode, EqualPrompts, Padded, PromptPart, Spans, StepInputs
+from engine.model.device import to_device
+from engine.model.sampler import Sampler, token_logprobs
 
 
 class ModelRunner:
     def __init__(self, net, cache, seed: int = 0, eos_ids=(), compile: bool = False, graphs: bool = False):
-        """net: a FlatModel; cache: its KV cache (engine/kv_cache.py); compile: decode-only steps through
+        """net: a FlatModel; cache: its KV cache (engine/model/kv_cache.py); compile: decode-only steps through
         torch.compile; graphs: those steps padded to few shapes, captured as CUDA graphs on CUDA (slot cache)."""
         self.net, self.cache = net, cache
         self.compile = compile

@@ -3,7 +3,7 @@ runner's sampled tokens (RunnerOutput), the events streamed to clients (StepEven
 (StepRecord), which the replays, the servers' metrics and the simulator's cost model read."""
 from dataclasses import dataclass, field
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ Request-level (a batch runs until its longest member ends; finished rows stay as
 import math
 
 from engine.config import group_entry
-from engine.outputs import ScheduledChunk, SchedulerOutput
-from engine.request import Request
-from engine.scheduler import Scheduler
+from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 
 PAD = "<pad>"  # rid of the padding chunk: no request owns it, so update() skips it
 
