@@ -1,6 +1,7 @@
 """Load generator for any OpenAI-compatible server: closed loop (c workers) or open loop (saved arrival times),
-a soak (closed loop for a duration) that reports what a long run loses, and an overload run (Poisson arrivals at
-a rate for a duration) that reports how fast refusals come and what the completed requests achieve.
+a soak (closed loop for a duration) that reports what a long run loses, and an overload run (open loop: a workload's
+arrivals, or Poisson ones at a rate for a duration) that reports how fast refusals come and what the completed
+requests achieve.
 
 Sends at absolute times (never "sleep after send"), streams every response, records one row per request with
 the same fields as an engine replay (arrival, first_token, token_times, num_tokens, complete), so
@@ -15,9 +16,10 @@ from collections import Counter
 
 import aiohttp
 import numpy as np
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from pipeline.workloads.generate import poisson_gaps
+from pipeline.workloads.arrivals import arrival_times
 
 
 def session(api_key: str | None, limit: int = 0) -> aiohttp.ClientSession:
@@ -175,34 +177,46 @@ async def soak(base_url: str, model: str, concurrency: int, duration_s: float, p
             "concurrency": concurrency, "rss_mb_start": start.get("rss_mb"), "rss_mb_end": stop.get("rss_mb")}
 
 
-async def poisson(base_url: str, model: str, rate: float, duration_s: float, prompt="Tell me a story.",
-                  max_tokens: int = 32, timeout_s: float = 20.0, seed: int = 0, api_key: str | None = None) -> dict:
-    """Open loop: Poisson arrivals at `rate` requests/s for duration_s seconds, each client waiting timeout_s.
-    Returns the count of each outcome, per refusal status the slowest answer (s from send to the answer's end),
-    completed requests and their tokens per second (from the start to the last token), and /health once every
-    answer is in."""
-    times = np.cumsum(poisson_gaps(np.random.default_rng(seed), int(rate * duration_s * 2) + 16, rate))
-    arrivals = [float(t) for t in times if t < duration_s]
+def open_loop_times(load, rate: float, duration_s: float, seed: int = 0) -> list[float]:
+    """Send times (s) before duration_s of `load`'s arrival process (pipeline.workloads.arrivals) at `rate`
+    requests/s, drawn from `seed` as every open loop draws them."""
+    times = arrival_times(np.random.default_rng(seed), int(rate * duration_s * 2) + 16, load, rate)
+    return [float(t) for t in times if t < duration_s]
+
+
+async def overload(base_url: str, model: str, requests: list[tuple], arrivals: list[float], timeout_s: float = 20.0,
+                   api_key: str | None = None, ignore_eos: bool = True) -> dict:
+    """Open loop: request i, (prompt, max_tokens), sent at arrivals[i] s, each client waiting timeout_s. Returns the
+    count of each outcome, per refusal status the slowest answer (s from send to the answer's end), completed
+    requests and their tokens per second (from the start to the last token), and /health once every answer is in."""
     root = base_url.rstrip("/").removesuffix("/v1")
-    url = endpoint(base_url, prompt)
-    body = body_for(model, prompt, max_tokens, True)
+    url = endpoint(base_url, requests[0][0])
     async with session(api_key) as client:
         t0 = time.perf_counter()
 
-        async def at(when: float) -> dict:
+        async def at(when: float, prompt, n: int) -> dict:
             await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
-            rec = finish(await one(client, url, body, t0, timeout_s), max_tokens)
+            rec = finish(await one(client, url, body_for(model, prompt, n, ignore_eos), t0, timeout_s),
+                         n if ignore_eos else None)
             rec["answered"] = time.perf_counter() - t0 - rec["arrival"]  # s from send to the end of the answer
             return rec
 
-        recs = await asyncio.gather(*(at(a) for a in arrivals))
+        recs = await asyncio.gather(*(at(a, p, n) for a, (p, n) in zip(arrivals, requests)))
         after = await health(client, root)
     outcomes = Counter(r["outcome"] for r in recs)
     done = [r for r in recs if r["complete"]]
     span = max((r["finish"] for r in done), default=0.0)
     refused = {k: max(r["answered"] for r in recs if r["outcome"] == k) for k in outcomes if k.startswith("HTTP")}
-    return {"rate": rate, "duration_s": duration_s, "requests": len(recs), "outcomes": dict(outcomes),
-            "slowest_refusal_s": refused, "completed": len(done),
+    return {"requests": len(recs), "outcomes": dict(outcomes), "slowest_refusal_s": refused, "completed": len(done),
             "completed_per_s": len(done) / span if span else 0.0,
             "completed_tokens_per_s": sum(r["num_tokens"] for r in done) / span if span else 0.0,
             "health_after": after}
+
+
+async def poisson(base_url: str, model: str, rate: float, duration_s: float, prompt="Tell me a story.",
+                  max_tokens: int = 32, timeout_s: float = 20.0, seed: int = 0, api_key: str | None = None) -> dict:
+    """Open loop: Poisson arrivals at `rate` requests/s for duration_s seconds, one prompt and length for all (the
+    overload report of overload())."""
+    arrivals = open_loop_times(OmegaConf.create({"process": "poisson"}), rate, duration_s, seed)
+    report = await overload(base_url, model, [(prompt, max_tokens)] * len(arrivals), arrivals, timeout_s, api_key)
+    return {"rate": rate, "duration_s": duration_s, **report}

@@ -127,7 +127,7 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
     ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
     row = {"table": table, "point": name, "policy": cfg.policy.name, "workload": cfg.workload.name,
            "load": cfg.load.name, "load_multiple": float(cfg.load.get("multiple", float("nan"))),
-           "sigma": float(cfg.workload.output.sigma),
+           "sigma": float(cfg.workload.output.get("sigma", "nan")),  # lognormal tables; shaped: nan
            "length_cv": float(wl["output_tokens"].std(ddof=0) / wl["output_tokens"].mean()), "step_s": step_s,
            "ttft_limit_s": ttft_lim, "tpot_limit_s": tpot_lim, **summarize(req, st, ttft_lim, tpot_lim),
            **watch.fields()}

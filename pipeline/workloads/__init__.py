@@ -1,1 +1,2 @@
-"""Workloads as data: prompts, seeded arrivals and output lengths, and the runs of each table."""
+"""Workloads as data: prompts, seeded arrivals and lengths (the seed tables' synthetic ones, or shaped like
+production traffic from published statistics or a trace), and the runs of each table."""

@@ -11,37 +11,16 @@ import numpy as np
 import pandas as pd
 
 from engine.model.loader import load_tokenizer
+from pipeline.workloads.arrivals import arrival_steps
 from pipeline.workloads.prompts import long_prompts, short_prompts
 from pipeline.workloads.runs import runs
+from pipeline.workloads.shaped import build_shaped
 
 
 def output_lengths(rng, n: int, mean: float, sigma: float, max_len: int) -> np.ndarray:
     """Lognormal lengths with the given mean and sigma of log-length, rounded and clipped to [1, max_len]."""
     mu = math.log(mean) - sigma ** 2 / 2
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_len).astype(int)
-
-
-def arrival_steps(rng, n: int, load, mean_output: float) -> np.ndarray:
-    """Arrival times in full-batch decode steps; zeros for all_at_once and for a closed loop (the replay paces it)."""
-    if load.process in ("all_at_once", "closed"):
-        return np.zeros(n)
-    rate = load.multiple * load.ref_seats / mean_output   # requests per step
-    if load.process == "poisson":
-        gaps = poisson_gaps(rng, n, rate)
-    elif load.process == "gamma":
-        shape = 1.0 / load.cv ** 2
-        gaps = rng.gamma(shape, 1.0 / (rate * shape), n)
-        gaps[0] = 0.0
-    else:
-        raise ValueError(f"load.process {load.process!r}: choose all_at_once, poisson, gamma or closed")
-    return np.cumsum(gaps)
-
-
-def poisson_gaps(rng, n: int, rate: float) -> np.ndarray:
-    """n gaps between Poisson arrivals at `rate` per unit of time, the first 0 (the first request starts the run)."""
-    gaps = rng.exponential(1.0 / rate, n)
-    gaps[0] = 0.0
-    return gaps
 
 
 def tokenizer_and_vocab(cfg):
@@ -51,8 +30,11 @@ def tokenizer_and_vocab(cfg):
 
 
 def build(cfg, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:
-    """One row per request: rid, is_long, prompt (token ids), prompt_tokens, output_tokens, arrival_steps."""
+    """One row per request: rid, is_long, prompt (token ids), prompt_tokens, output_tokens, arrival_steps. A workload
+    with `lengths` (production-shaped) is built by pipeline.workloads.shaped."""
     w, prof = cfg.workload, cfg.profile
+    if "lengths" in w:
+        return build_shaped(cfg, tokenizer, vocab_size)
     rng = np.random.default_rng(int(cfg.seed))
     n = max(1, round(w.num_requests * prof.requests_scale))
     out = output_lengths(rng, n, w.output.mean * prof.output_scale, float(w.output.sigma),
@@ -103,6 +85,10 @@ def predicted_static_efficiency(lengths, batch: int) -> float:
 
 
 def table_workloads(cfg, table: str, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:
-    """Every run's workload of a table, one frame with a `point` column naming the run."""
-    frames = [build(run_cfg, tokenizer, vocab_size).assign(point=name) for name, run_cfg in runs(cfg, table)]
-    return pd.concat(frames, ignore_index=True)
+    """Every run's workload of a table, one frame with a `point` column naming the run; its attrs["workloads"] maps
+    each production-shaped run to its description (pipeline.workloads.shaped.workload_meta)."""
+    built = [(name, build(run_cfg, tokenizer, vocab_size)) for name, run_cfg in runs(cfg, table)]
+    out = pd.concat([wl.assign(point=name) for name, wl in built], ignore_index=True)
+    shaped = {name: dict(wl.attrs) for name, wl in built if wl.attrs}
+    out.attrs = {"workloads": shaped} if shaped else {}
+    return out

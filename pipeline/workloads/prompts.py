@@ -5,6 +5,8 @@ models), they are seeded random token ids of similar lengths.
 """
 import random
 
+import numpy as np
+
 CHAT = [
     "Write a haiku about memory bandwidth.", "What is 17 times 23?",
     "Name three rivers in Europe and one fact about each.", "Explain batching to a child.", "hi",
@@ -43,11 +45,22 @@ def long_prompts(n: int, length: int, tokenizer=None, vocab_size: int = 512, see
     rng = random.Random(seed)
     if tokenizer is None:
         return [[rng.randrange(3, vocab_size) for _ in range(length)] for _ in range(n)]
-    out = []
-    for i in range(n):
-        question = chat_ids(tokenizer, f"Document {i}: " + FILLER * (length // 30 + 2) + CHAT[i % len(CHAT)])
-        out.append(question[:length - 8] + question[-8:])  # keep the template's closing tokens
-    return out
+    return [document_ids(tokenizer, i, length) for i in range(n)]
+
+
+def document_ids(tokenizer, i: int, length: int) -> list[int]:
+    """Exactly `length` tokens of chat prompt i: a numbered filler document then a CHAT question, the template's
+    closing 8 tokens kept (only the last `length` of them when shorter)."""
+    question = chat_ids(tokenizer, f"Document {i}: " + FILLER * (length // 30 + 2) + CHAT[i % len(CHAT)])
+    return question[:length - 8] + question[-8:] if length > 8 else question[-length:]
+
+
+def sized_prompts(lengths, tokenizer=None, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
+    """One prompt of each length: numbered chat documents (seeded random ids in [3, vocab) without a tokenizer)."""
+    if tokenizer is None:
+        rng = np.random.default_rng(seed)
+        return [rng.integers(3, vocab_size, int(n)).tolist() for n in lengths]
+    return [document_ids(tokenizer, i, int(n)) for i, n in enumerate(lengths)]
 
 
 def prompts_for(shape, n: int, tokenizer=None, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
