@@ -42,6 +42,16 @@ def group_entry(group: str, name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
+def policy_config(policy) -> dict:
+    """A conf/policy entry ({name, max_running, ...its knobs}) with every knob, the ones not given taken from
+    conf/policy/<name>.yaml (the one place of defaults); a bad name or knob fails naming the valid ones."""
+    given = dict(policy)
+    full = group_entry("policy", given.get("name"))
+    if set(given) - set(full):
+        raise ValueError(f"policy {full['name']!r} has no knob {sorted(set(given) - set(full))}; it has {sorted(full)}")
+    return {**full, **given}
+
+
 def kv_config(kv) -> dict:
     """A conf/kv entry (or just its name) with every field, its defaults from conf/kv/<name>.yaml; a bad name,
     field or value fails naming the valid ones."""
@@ -68,7 +78,7 @@ def load_configured_model(cfg):
     cfg.threads CPU threads, fewer while other processes keep cores busy (engine/threads.py)."""
     from engine.model.loader import load_model
 
-    threads.govern(int(cfg.threads))
+    threads.govern(int(cfg.threads), cfg.measure)
     return load_model(cfg.model, cfg.precision.dtype, cfg.precision.device)
 
 
@@ -97,5 +107,5 @@ def load_reference_model(cfg):
     """(Hugging Face model, tokenizer) in the dtype the precision level is compared against (reference_dtype)."""
     from engine.model.loader import load_model
 
-    threads.govern(int(cfg.threads))
+    threads.govern(int(cfg.threads), cfg.measure)
     return load_model(cfg.model, cfg.precision.get("reference_dtype", cfg.precision.dtype), cfg.precision.device)

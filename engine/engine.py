@@ -3,7 +3,7 @@ import itertools
 import time
 
 from engine import machine
-from engine.config import kv_config
+from engine.config import kv_config, policy_config
 from engine.core.kv_blocks import BlockManager
 from engine.core.outputs import StepEvent, StepRecord
 from engine.core.policies import make_scheduler
@@ -23,7 +23,7 @@ class LLMEngine:
         through torch.compile; graphs: those steps padded to few shapes (CUDA graphs on CUDA)."""
         kv = kv_config(kv)
         machine.retain_freed_memory()  # each step's temporaries reuse the last step's memory
-        self.scheduler = make_scheduler(policy, max_request_tokens, eos_ids)
+        self.scheduler = make_scheduler(policy_config(policy), max_request_tokens, eos_ids)
         self.max_request_tokens = max_request_tokens
         net = None if runner is not None else model if isinstance(model, FlatModel) else FlatModel(model)
         if kv["name"] == "paged":

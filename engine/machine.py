@@ -4,6 +4,8 @@ import ctypes
 import importlib.metadata
 import os
 import platform
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -147,3 +149,26 @@ def process_cpu_s(pid: int | str = "self") -> float:
     except OSError:
         return 0.0
     return sum(int(x) for x in fields[11:15]) / TICK  # utime stime cutime cstime
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """One reading of the clock and the CPU seconds spent since boot."""
+    wall_s: float    # time.perf_counter()
+    busy_s: float    # all cores busy
+    steal_s: float   # stolen by the hypervisor
+    own_s: float     # the watched processes' own: this one and the pids named
+
+
+def cpu_times(pids=()) -> CpuTimes:
+    """The clock, the machine's busy and stolen CPU seconds, and this process's and `pids`' own, read now."""
+    busy, steal = machine_cpu_s()
+    return CpuTimes(time.perf_counter(), busy, steal, process_cpu_s() + sum(process_cpu_s(p) for p in pids))
+
+
+def other_cpu_share(start: CpuTimes, end: CpuTimes) -> float:
+    """Other work's CPUs between two readings, CPU seconds per wall second: the machine's busy and stolen time less
+    the watched processes' own. Steal counts as other work: it is time another guest took from this machine's cores,
+    time the watched work could have run in."""
+    used = (end.busy_s - start.busy_s) + (end.steal_s - start.steal_s) - (end.own_s - start.own_s)
+    return max(0.0, used) / max(end.wall_s - start.wall_s, 1e-9)

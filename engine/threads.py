@@ -1,39 +1,35 @@
 """Intra-op threads that follow the free cores: a 2-thread step beside a busy process on one of 2 cores stalls at
 every parallel region's barrier (one thread waits for the other's turn on its core), so a lost core costs far more
-than its share. Every INTERVAL s the governor measures the CPU other processes used and runs the steps on the cores
-left (at least one, at most the configured threads)."""
+than its share. Every `measure.governor_interval_s` the governor measures the CPU other work used
+(engine.machine.other_cpu_share) and runs the steps on the cores left (at least one, at most the configured
+threads); each `measure.busy_per_core` CPUs of other work take a core away (conf/config.yaml)."""
 import os
 import time
 
 import torch
 
-from engine.machine import machine_cpu_s, process_cpu_s
-
-INTERVAL = 0.5      # s between two looks at the machine
-BUSY = 0.6          # CPUs of other processes' work that take a core away
+from engine.machine import CpuTimes, cpu_times, other_cpu_share
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int):
-        self.max_threads = max_threads
+    def __init__(self, max_threads: int, busy_per_core: float, interval_s: float):
+        self.max_threads, self.busy_per_core, self.interval_s = max_threads, busy_per_core, interval_s
         self.cores = len(os.sched_getaffinity(0))
         self._last = self._sample()
         torch.set_num_threads(max_threads)
 
     @staticmethod
-    def _sample() -> tuple[float, float, float]:
-        busy, steal = machine_cpu_s()
-        return time.monotonic(), busy + steal, process_cpu_s()
+    def _sample() -> CpuTimes:
+        return cpu_times()
 
     def tick(self) -> None:
-        """Look again if INTERVAL has passed; set torch's threads to the cores other processes leave free."""
-        if time.monotonic() - self._last[0] < INTERVAL:
+        """Look again if interval_s has passed; set torch's threads to the cores other work leaves free."""
+        if time.perf_counter() - self._last.wall_s < self.interval_s:
             return
         now = self._sample()
-        wall = now[0] - self._last[0]
-        others = max(0.0, (now[1] - self._last[1]) - (now[2] - self._last[2])) / wall
+        others = other_cpu_share(self._last, now)
         self._last = now
-        threads = max(1, min(self.max_threads, self.cores - int(others / BUSY)))
+        threads = max(1, min(self.max_threads, self.cores - int(others / self.busy_per_core)))
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
@@ -41,10 +37,11 @@ class ThreadGovernor:
 _governor: ThreadGovernor | None = None
 
 
-def govern(max_threads: int) -> None:
-    """From now on the engine's steps run on at most max_threads threads, fewer while other processes keep cores."""
+def govern(max_threads: int, measure) -> None:
+    """From now on the engine's steps run on at most max_threads threads, fewer while other work keeps cores.
+    measure: a composed config's `measure` (busy_per_core, governor_interval_s)."""
     global _governor
-    _governor = ThreadGovernor(max_threads)
+    _governor = ThreadGovernor(max_threads, float(measure.busy_per_core), float(measure.governor_interval_s))
 
 
 def tick() -> None:

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from engine import LLMEngine
 from engine.config import compose_config, load_configured_model, load_engine_model
-from engine.model.loader import eos_ids
+from engine.model.loader import eos_ids, pad_id
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -35,7 +35,7 @@ def build(cfg):
         worker = EngineWorker(engine, int(srv.max_waiting))
     else:
         worker = GenerateWorker(model, eos_ids(model), int(srv.max_request_tokens), int(srv.max_batch),
-                                float(srv.max_wait_ms), int(srv.max_waiting), tokenizer.pad_token_id or 0)
+                                float(srv.max_wait_ms), int(srv.max_waiting), pad_id(tokenizer))
     key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
     return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens),
                       float(srv.max_queue_wait_s)), worker

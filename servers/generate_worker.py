@@ -109,7 +109,7 @@ class RowsDone(StoppingCriteria):
 
 class GenerateWorker(Worker):
     def __init__(self, model, eos_ids, max_request_tokens: int, max_batch: int, max_wait_ms: float, max_waiting: int,
-                 pad_id: int = 0):
+                 pad_id: int):
         super().__init__(max_waiting)
         self.model, self.eos_ids, self.max_request_tokens = model, set(eos_ids), max_request_tokens
         self.vocab_size = model.config.vocab_size

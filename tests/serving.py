@@ -11,7 +11,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLMEngine
-from engine.model.loader import eos_ids
+from engine.model.loader import eos_ids, pad_id
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -40,8 +40,7 @@ class Server:
                  kv="slot"):
         if policy["name"] == "generate":
             self.worker = GenerateWorker(model, eos_ids(model), max_request_tokens, policy["max_batch"],
-                                         policy["max_wait_ms"],
-                                         max_waiting)
+                                         policy["max_wait_ms"], max_waiting, pad_id(tok))
         else:
             self.engine = LLMEngine(model, policy, max_request_tokens, eos_ids(model), kv=kv)
             self.worker = EngineWorker(self.engine, max_waiting)

@@ -1,10 +1,14 @@
 """check_precision's figures (pipeline.measuring.accuracy) against the definitions computed directly in fp64: KL
 divergence, top-1 agreement, near-ties and the stream's negative log-likelihoods, over more positions than one
-block of rows; identical logits give a divergence of exactly zero; lossless is decided against the floor."""
+block of rows; identical logits give a divergence of exactly zero; lossless is decided against the floor; a greedy
+output cut short is no exact match."""
 import pytest
 import torch
 
+from engine.config import compose_config
 from pipeline.measuring import accuracy
+
+RULE = compose_config([]).bench.precision  # near_tie, lossless_kld, lossless_top1
 
 
 def test_compare_matches_the_definitions_across_row_blocks():
@@ -14,7 +18,7 @@ def test_compare_matches_the_definitions_across_row_blocks():
     ref[3, :2] = ref[3].max() + torch.tensor([1.0, 1.0 - 1e-4])  # a near-tie of the reference's top two
     got = ref + torch.randn(P, V, generator=g) * 0.05
     targets = torch.randint(0, V, (P,), generator=g)
-    c = accuracy.compare(ref, {"got": got, "same": ref.clone()}, targets)
+    c = accuracy.compare(ref, {"got": got, "same": ref.clone()}, targets, RULE.near_tie)
 
     lp, lq = ref.double().log_softmax(-1), got.double().log_softmax(-1)
     kld = (lp.exp() * (lp - lq)).sum(-1)
@@ -22,7 +26,7 @@ def test_compare_matches_the_definitions_across_row_blocks():
     assert torch.equal(c["got"]["top1"], ref.argmax(-1) == got.argmax(-1))
     assert not c["got"]["top1"].all()  # the noise flips some positions: the check can fail
     top2 = ref.double().topk(2, dim=-1).values
-    assert torch.equal(c["got"]["tie"], top2[:, 0] - top2[:, 1] < accuracy.TIE) and c["got"]["tie"][3]
+    assert torch.equal(c["got"]["tie"], top2[:, 0] - top2[:, 1] < RULE.near_tie) and c["got"]["tie"][3]
     assert torch.allclose(c["got"]["nll_ref"], -lp.gather(1, targets[:, None])[:, 0], rtol=1e-12)
     assert torch.allclose(c["got"]["nll_got"], -lq.gather(1, targets[:, None])[:, 0], rtol=1e-12)
     assert torch.equal(c["same"]["kld"], torch.zeros(P, dtype=torch.float64)) and c["same"]["top1"].all()
@@ -31,4 +35,10 @@ def test_compare_matches_the_definitions_across_row_blocks():
     assert s["positions"] == P and s["kld_mean"] == pytest.approx(float(kld.mean()), rel=1e-9)
     assert s["near_ties"] == int(c["got"]["tie"].sum())
     floor = accuracy.summary(c["same"])
-    assert not accuracy.lossless(s, floor) and accuracy.lossless(floor, floor)
+    assert not accuracy.lossless(s, floor, RULE) and accuracy.lossless(floor, floor, RULE)
+
+
+def test_an_output_cut_short_or_run_long_is_no_exact_match():
+    ref = [[5, 6, 7, 8], [1, 2, 3], [4, 4], [9, 9, 9]]
+    got = [[5, 6, 7], [1, 2, 3], [4, 3], [9, 9, 9, 9]]  # truncated, equal, diverging, one token too many
+    assert accuracy.greedy_agreement(ref, got) == {"greedy_exact": 0.25, "first_divergences": [1, 3, 3]}

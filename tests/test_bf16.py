@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from engine.config import compose_config
 from engine.model.hf import generate_alone
 from engine.model.loader import load_model
-from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
+from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, first_divergence, run_scenario, scenario_prompts
 from tests.conftest import TINY, model_cfg
 
 
@@ -33,14 +33,17 @@ def bf16(request):
 
 def agreement(label: str, model, prompts, ref, out) -> list[int]:
     """Tokens equal before each request's first divergence; fails unless every divergence is a near-tie of the
-    reference's own logits (within two bf16 steps of its best)."""
+    reference's own logits (within two bf16 steps of its best), and on an output shorter or longer than the
+    reference's."""
     agreed = []
     for i, expected in enumerate(ref):
         got = out[str(i)]
-        k = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
-        agreed.append(k)
-        if k == len(expected):
+        k = first_divergence(got, expected)
+        agreed.append(len(expected) if k is None else k)
+        if k is None:
             continue
+        assert k < min(len(got), len(expected)), (
+            f"{label}: request {i} has {len(got)} tokens, the reference {len(expected)}; equal up to token {k}")
         with torch.inference_mode():
             ids = torch.tensor([prompts[i] + expected[:k]], device=model.device)
             logits = model(ids).logits[0, -1].float()

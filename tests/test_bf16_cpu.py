@@ -1,14 +1,15 @@
-"""precision=bf16's CPU product (engine/kernels/csrc/bf16.cpp, where the CPU has AVX512-BF16): x rounded to bf16 (nearest even),
-times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of each sum, whatever the
-shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does not depend on the rows
-beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
+"""precision=bf16's CPU product (engine/kernels/csrc/bf16.cpp, in AVX-512 builds on a CPU with AVX512-BF16): x rounded
+to bf16 (nearest even), times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of
+each sum, whatever the shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does
+not depend on the rows beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
 import pytest
 import torch
 
 from engine.kernels import build as native
 
 lab = native.ops()
-pytestmark = pytest.mark.skipif(lab is None or not lab.bf16_native(), reason="no fused kernels or no AVX512-BF16 here")
+pytestmark = pytest.mark.skipif(lab is None or not native.capabilities()["bf16_dot"],
+                                reason="no fused kernels, or no AVX512-BF16 in this build or CPU")
 
 
 def reference(x, w, bias=None, residual=None):

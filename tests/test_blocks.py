@@ -5,7 +5,7 @@ import random
 import pytest
 
 from engine import LLMEngine, RequestError, SamplingParams
-from engine.config import kv_config
+from engine.config import kv_config, policy_config
 from engine.core import kv_blocks
 from engine.core.kv_blocks import BlockManager
 from engine.core.outputs import RunnerOutput
@@ -177,7 +177,7 @@ def req(rid, prompt_len, max_new=4, first=3):
 
 
 def paged(policy, num_blocks, block_size=4, watermark=1, prefix_caching=True):
-    s = make_scheduler(policy, max_request_tokens=256)
+    s = make_scheduler(policy_config(policy), max_request_tokens=256)
     s.use_blocks(BlockManager(num_blocks, block_size, watermark, prefix_caching))
     return s
 

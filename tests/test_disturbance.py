@@ -3,8 +3,6 @@ an impossible figure is never written, and the engine's threads follow the cores
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -12,16 +10,14 @@ import torch
 from omegaconf import OmegaConf
 
 from engine import threads
+from engine.machine import CpuTimes, other_cpu_share
 from pipeline.measuring import disturbance
 from pipeline.measuring.disturbance import Disturbance, ImpossibleFigure, Watch, measured
 from pipeline.results import write_json, write_parquet
+from pipeline.tools.neighbour import spin
 
 LIMITS = OmegaConf.create({"other_cpu_max": 0.3, "steal_max": 0.1, "tries": 3})
 TWO_CORES = len(os.sched_getaffinity(0)) >= 2
-
-
-def spin() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def busy_wait(seconds: float) -> None:
@@ -123,15 +119,15 @@ def test_nan_times_mean_not_measured_and_pass(tmp_path):
 def test_the_engines_threads_follow_the_free_cores(monkeypatch):
     """The governor's rule on given readings (the readings themselves are tested above, on a real neighbour): a
     neighbour's CPU takes a core away for as long as it lasts, and never the last one."""
-    t0 = time.monotonic() - 100  # readings from the past: each look is due
-    samples = iter([(t0, 0.0, 0.0),          # (wall s, machine busy + steal CPU s, this process's CPU s) at start
-                    (t0 + 1, 1.9, 0.9),      # a neighbour used 1.0 CPU beside our 0.9
-                    (t0 + 2, 3.8, 1.0),      # two neighbours' worth: still one thread, never none
-                    (t0 + 3, 4.8, 1.95)])    # quiet again: 0.05 CPU of others
+    t0 = time.perf_counter() - 100  # readings from the past: each look is due
+    samples = iter([CpuTimes(t0, 0.0, 0.0, 0.0),        # wall s, machine busy and steal CPU s, this process's CPU s
+                    CpuTimes(t0 + 1, 1.7, 0.2, 0.9),    # a neighbour used 1.0 CPU beside our 0.9 (0.2 of it stolen)
+                    CpuTimes(t0 + 2, 3.4, 0.4, 1.0),    # two neighbours' worth: still one thread, never none
+                    CpuTimes(t0 + 3, 4.4, 0.4, 1.95)])  # quiet again: 0.05 CPU of others
     monkeypatch.setattr(threads.ThreadGovernor, "_sample", staticmethod(lambda: next(samples)))
     before = torch.get_num_threads()
     try:
-        gov = threads.ThreadGovernor(2)
+        gov = threads.ThreadGovernor(2, 0.6, 0.5)
         gov.cores = 2
         seen = []
         for _ in range(3):
@@ -140,6 +136,19 @@ def test_the_engines_threads_follow_the_free_cores(monkeypatch):
         assert seen == [1, 1, 2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_steal_is_other_work_for_the_watch_as_for_the_governor(monkeypatch):
+    """Time the hypervisor gave another guest is time other work took from this machine: counted in other work's
+    share (and shown alone as the steal share)."""
+    a, b = CpuTimes(0.0, 10.0, 1.0, 5.0), CpuTimes(2.0, 10.8, 1.6, 5.8)  # the run busy 0.8 s, 0.6 s stolen, in 2 s
+    assert other_cpu_share(a, b) == pytest.approx(0.3)
+    readings = iter([a, b])
+    monkeypatch.setattr(disturbance, "cpu_times", lambda pids: next(readings))
+    with Watch(LIMITS) as w:
+        pass
+    assert (w.result.other_cpu_share, w.result.steal_share, w.result.own_cpu_share) == pytest.approx((0.3, 0.3, 0.4))
+    assert w.result.disturbed  # steal above steal_max
 
 
 def test_server_pids_name_a_live_process_only():

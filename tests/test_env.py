@@ -1,7 +1,9 @@
 """The process's memory: its peak over a timed block (engine.machine.PeakRSS: the kernel's high-water mark, reset on
 entry, with no thread running beside the measured work), and what the engine's steps keep for reuse."""
+import mmap
 import os
 import resource
+import statistics
 import threading
 
 import pytest
@@ -16,8 +18,10 @@ def test_peak_covers_memory_freed_inside_the_block():
     threads = threading.active_count()
     with PeakRSS() as rss:
         assert threading.active_count() == threads  # nothing samples beside the work
-        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-        del x
+        pages = mmap.mmap(-1, 64 * 2**20)  # 64 MiB of fresh pages, whatever the allocator keeps
+        for i in range(0, len(pages), mmap.PAGESIZE):
+            pages[i] = 1  # touched: resident
+        pages.close()
     assert rss.peak_mb >= rss_mb() + 60
 
 
@@ -44,7 +48,9 @@ def test_memory_kept_for_reuse_is_not_counted_in_a_later_peak():
 
 def test_a_warm_engine_maps_no_new_memory_each_step(smollm2):
     """A 64-row decode step frees and allocates the same temporaries every step (12 MB of logits among them); they
-    come back from the process's own free memory, not as fresh pages (the kernel's minor faults)."""
+    come back from the process's own free memory, not as fresh pages (the kernel's minor faults). The median step
+    counts: the kernel itself now and then remaps a step's pages at once (a burst of thousands in one step, seen on
+    some machines whatever the engine does), while memory handed back every step faults in every step."""
     model, tok = smollm2
     net = FlatModel(model, weights="bf16", kv_dtype="bfloat16")
     eng = LLMEngine(net, {"name": "continuous", "max_running": 64}, 64)
@@ -52,7 +58,9 @@ def test_a_warm_engine_maps_no_new_memory_each_step(smollm2):
         eng.add_request(str(i), [1 + i, 2, 3, 4], SamplingParams(max_new_tokens=40, ignore_eos=True))
     for _ in range(4):
         eng.step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(8):
+    faults = []
+    for _ in range(9):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         eng.step()
-    assert (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 8 < 20
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert statistics.median(faults) < 20, faults

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
 from engine.core.request import Status
-from engine.model.forward import ROW_BLOCK, FlatModel
+from engine.model.forward import MLP_ROWS, FlatModel
 from engine.model.hf import generate_alone
 from engine.model.kv_cache import make_cache
 from engine.model.loader import random_model
@@ -108,7 +108,7 @@ def test_abort_during_a_chunked_prefill_frees_its_seat(tiny_llama):
 
 @pytest.fixture(scope="module")
 def long_context_llama():
-    """tiny-llama with room for prompts of a few MLP row blocks (engine.model.ROW_BLOCK tokens each)."""
+    """tiny-llama with room for prompts of a few MLP passes (engine.model.forward.MLP_ROWS tokens each)."""
     tiny = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny-llama.yaml")
     cfg = {**OmegaConf.to_container(tiny.config), "max_position_embeddings": 4096}
     return random_model(cfg, seed=1)
@@ -119,7 +119,7 @@ def long_context_llama():
                          ids=["continuous", "chunked"])
 def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, policy):
     """Prompts of 1,100 and 2,100 tokens (1 and 2 whole MLP blocks plus a tail) and a short one, staggered."""
-    assert ROW_BLOCK < 1100 < 2 * ROW_BLOCK < 2100 < 3 * ROW_BLOCK
+    assert MLP_ROWS < 1100 < 2 * MLP_ROWS < 2100 < 3 * MLP_ROWS
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1100, 2100, 20)]
     lens = [6, 6, 12]

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_alone
-from engine.model.loader import load_model
+from engine.model.loader import load_model, pad_id
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 from pipeline.measuring.timing import engine_case, hf_case
 from pipeline.workloads.prompts import prompts_for
@@ -55,6 +55,6 @@ def test_engine_speed_case_on_cuda(smollm2_tokenizer_dir, batch):
     cfg.path = str(smollm2_tokenizer_dir)
     model, tok = load_model(cfg, "bfloat16", "cuda")
     prompts = prompts_for("chat", batch, tok, model.config.vocab_size)
-    row = {**engine_case(FlatModel(model), prompts, 32, 1), **hf_case(model, prompts, 32, 1, tok.pad_token_id or 0)}
+    row = {**engine_case(FlatModel(model), prompts, 32, 1), **hf_case(model, prompts, 32, 1, pad_id(tok))}
     print({k: row[k] for k in ("batch", "engine_tps", "hf_tps", "engine_decode_tps", "engine_peak_mb")})
     assert row["engine_tps"] > 0 and row["hf_tps"] > 0

@@ -1,16 +1,20 @@
-"""The product each weight shape uses per row count (engine/kernels/choice.py): every choice gives generate's tokens, the
-choice is measured once per machine and read back from the cache, and only the chosen layouts are held."""
+"""The product each weight shape uses per row count (engine/kernels/choice.py): every choice gives generate's
+tokens, the choice is measured once per machine and read back from the cache, and only the chosen layouts are held."""
 import json
 import os
 
 import pytest
 import torch
 
+from engine.config import compose_config
+from engine.kernels import build
 from engine.kernels import choice as kernels
 from engine.model.compiled import keep_inductor_cache
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_alone
+from engine.model.linear import Dense
 from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
+from pipeline.measuring.hardware import kernel_table
 
 CPU = kernels.candidates(torch.device("cpu"), torch.float32)
 POLICIES = [{"name": "continuous", "max_running": 3}, {"name": "chunked", "max_running": 3, "token_budget": 16}]
@@ -35,7 +39,7 @@ def test_every_choice_gives_generates_tokens(references, kind, policy, monkeypat
     name, model, prompts, ref = references
     net = FlatModel(model, kernel=None if kind == "per-bucket" else kind)
     if kind == "per-bucket":
-        for d in [net.lm_head, *(d for layer in net.layers for d in (layer[1], layer[2], layer[4], layer[5]))]:
+        for d in net.products:
             d.hold(CPU)
             d.products = [CPU[i % len(CPU)] for i in range(len(kernels.BUCKETS))]
     out = run_with(net, policy, prompts)
@@ -99,7 +103,7 @@ def test_small_shapes_keep_the_default_unmeasured(tiny_llama, tmp_path, monkeypa
 
 def test_only_the_chosen_layouts_are_held(tiny_llama):
     linear, in_out = FlatModel(tiny_llama, kernel="linear"), FlatModel(tiny_llama, kernel="in_out")
-    d, e = linear.layers[0][1], in_out.layers[0][1]
+    d, e = linear.layers[0].qkv, in_out.layers[0].qkv
     assert d.w is None and d.packed is None and d.w_out_in is not None
     assert e.w is not None and e.packed is None and e.w_out_in is None
     with pytest.raises(ValueError, match="choose from"):
@@ -129,9 +133,9 @@ def test_step_split_finds_each_kind_of_operator(tiny, fused):
     from pipeline.measuring.hardware import PARTS, step_split
 
     net = FlatModel(tiny[1])
-    ops = net.fused
+    ops = net.ops
     split = step_split(net, 4, steps=3, fused=fused)
-    assert net.fused is ops
+    assert net.ops is ops
     assert split["kernels"] == ("fused" if fused and ops is not None else "ATen")
     parts = split["parts"]
     layered = parts["rest of the layers call"] > 0
@@ -150,8 +154,8 @@ def test_a_sustained_floor_runs_every_product_once_per_step(tiny_llama, monkeypa
 
     net = FlatModel(tiny_llama)
     calls = []
-    product = kernels.Dense.product
-    monkeypatch.setattr(kernels.Dense, "product",
+    product = Dense.product
+    monkeypatch.setattr(Dense, "product",
                         lambda self, name, x, residual=None: calls.append(x.shape[0]) or product(self, name, x))
     per_step = 4 * len(net.layers) + 1
     assert step_floor_ms(net, 3, steps=5, repeats=2, warm=False) > 0
@@ -243,3 +247,19 @@ def test_inductor_cache_is_kept_beside_the_kernel_choice_unless_set(tmp_path, mo
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     keep_inductor_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_the_kernel_table_names_what_each_level_runs(tiny_llama):
+    """HARDWARE.md's table: every product at every row bucket names the kernel the engine built at that level holds;
+    a level the model cannot run (w4: no GGUF file) is listed with its reason, not left out."""
+    cfg = compose_config(["model=tiny-llama"])
+    table = kernel_table(cfg, tiny_llama)
+    assert set(table["levels"]) == {"fp32", "bf16"}
+    assert "model tiny-llama has none" in table["skipped"]["w4"]
+    net = FlatModel(tiny_llama)
+    fp32 = table["levels"]["fp32"]
+    assert list(fp32) == ["head", "qkv", "o", "gate_up", "down"]
+    for b in range(len(kernels.BUCKETS)):
+        assert fp32["qkv"][b] == net.layers[0].qkv.kernel(b) in kernels.candidates(net.device, net.dtype)
+    bf16 = "bf16 (vdpbf16ps)" if build.capabilities() and build.capabilities()["bf16_dot"] else "bf16 (torch)"
+    assert all(k == bf16 for ks in table["levels"]["bf16"].values() for k in ks)

@@ -24,7 +24,7 @@ def test_attention_reads_a_bf16_cache_as_its_fp32_values(D):
     k, v = (torch.randn(S, KV, L, D, generator=g).bfloat16() for _ in range(2))
     bias = torch.zeros(S, L)
     bias[1, 3], bias[2, 10:] = -torch.inf, -torch.inf
-    split = D % 32 == 0 and torch.backends.cpu.get_cpu_capability() == "AVX512"  # rows read evens and odds apart
+    split = D % 32 == 0 and native.capabilities()["isa"] == "AVX512"  # rows read evens and odds apart
 
     def same(a, b):  # read in order: the very bits; split: fp32 sums in another order
         if split:
@@ -73,7 +73,7 @@ def test_every_attention_path_reads_the_same_rounded_cache(tiny):
     seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (24, 24, 9)]
     runs = {}
     for fused in (True, False):
-        net = FlatModel(model, fused=fused, kv_dtype="bfloat16")
+        net = FlatModel(model, native_kernels=fused, kv_dtype="bfloat16")
         runs[f"equal lengths, fused={fused}"] = logits_of(net, seqs[:2])[:23]
         runs[f"mixed lengths, fused={fused}"] = logits_of(net, seqs)[:23]
     fp32 = logits_of(FlatModel(model), seqs[:2])[:23]

@@ -1,7 +1,8 @@
-"""The fused fp32 CPU kernels (engine/kernels/csrc/native.cpp, engine/kernels/csrc/decode_attention.cpp): each equals the ATen operators it
-replaces, masked keys are never read, the library is built once per machine, and a failed build leaves the steps
-on ATen's operators."""
+"""The fused fp32 CPU kernels (engine/kernels/csrc/native.cpp, decode_attention.cpp): each equals the ATen operators
+it replaces, masked keys are never read, the build says what it runs, the library is built once per machine, and a
+failed build leaves the steps on ATen's operators."""
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine import machine
 from engine.kernels import build as native
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_alone
@@ -27,6 +29,17 @@ def test_kernels_build_wherever_a_compiler_is():
     if not HAS_CXX:
         pytest.skip(f"no {CXX} on the PATH")
     assert lab is not None, native.error
+
+
+@needs_lab
+def test_capabilities_say_what_this_build_runs():
+    """The build asked for ($LAB_KERNELS_BUILD, else the best this CPU runs), its fixed-point and bf16 paths where it
+    and the CPU have them, and lab.layers' product kinds named as Python numbers them."""
+    build = os.environ.get(native.BUILD_VAR) or native.builds()[0]
+    flags = machine.cpu_info()[1]
+    caps = native.capabilities()
+    assert caps == {"isa": build.split("-")[0], "q4_1_vnni": build == "AVX512-VNNI",
+                    "bf16_dot": build.startswith("AVX512") and flags["avx512_bf16"], "products": list(native.PRODUCTS)}
 
 
 @needs_lab
@@ -220,7 +233,7 @@ lab, z = native.ops(), torch.zeros
 assert lab.rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.silu_mul(z(2, 0)).shape == (2, 0)
 lab.rotary_(z(1, 0, 4), z(1, 4), z(1, 4))
 assert lab.first_argmax(z(0, 5)).shape == (0,)
-if lab.bf16_native():
+if native.capabilities()["bf16_dot"]:
     assert lab.bf16_rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.bf16_silu_mul(z(2, 0)).shape == (2, 0)
 for q, kv in [(z(1, 3, 8), z(1, 1, 0, 8)), (z(1, 3, 8), z(1, 0, 4, 8))]:  # no keys; no kv heads
     try:
@@ -286,7 +299,7 @@ def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch,
     assert "no-such-compiler" in native.error
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     net = FlatModel(tiny_llama)
-    assert net.fused is None
+    assert net.ops is None
     got, want = scenario_tokens(tiny_llama, net, [POLICIES[0]])
     assert got == want
 
@@ -295,7 +308,7 @@ def test_a_failed_build_leaves_aten_operators(tiny_llama, tmp_path, monkeypatch,
 @pytest.mark.parametrize("fused", [True, False])
 def test_both_paths_give_generates_tokens(tiny, fused):
     name, model = tiny
-    net = FlatModel(model, fused=fused)
-    assert (net.fused is not None) == fused
+    net = FlatModel(model, native_kernels=fused)
+    assert (net.ops is not None) == fused
     got, want = scenario_tokens(model, net, POLICIES)
     assert got == want, name

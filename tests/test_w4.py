@@ -1,27 +1,20 @@
 """precision=w4: a GGUF file's blocks read as stored. A tiny Llama is written to a GGUF file as llama.cpp writes one
 (Q4_1 layers with q/k rows in llama.cpp's order, a Q8_0 tied embedding) and given the dequantized values, so that
 Hugging Face generate computes with the very values the engine reads; the engine's tokens equal generate's up to a
-first divergence at a near-tie of the reference's logits (pipeline.measuring.equivalence.NEAR_TIE). On the real
-model (slow): the blocks, dequantized, are exactly the prepared fp32 weights, and the seed scenario holds too."""
+first divergence at a near-tie of the reference's logits (bench.precision.near_tie). On the real model (slow): the
+blocks, dequantized, are exactly the prepared fp32 weights, and the seed scenario holds too."""
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
+from engine.config import compose_config
 from engine.kernels import build as native
 from engine.model.forward import FlatModel
+from engine.model.gguf import gguf_layers
 from engine.model.hf import generate_alone
 from engine.model.loader import gguf_path, random_model
-from engine.model.quantized import gguf_layers
-from pipeline.measuring.equivalence import (
-    ARRIVE,
-    LENS,
-    NEAR_TIE,
-    POLICIES,
-    divergence_gap,
-    run_scenario,
-    scenario_prompts,
-)
+from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, divergence_gap, run_scenario, scenario_prompts
 from tests.conftest import model_cfg
 
 pytestmark = pytest.mark.skipif(native.ops() is None, reason=f"the fused kernels did not build: {native.error}")
@@ -68,8 +61,9 @@ def tiny_gguf(tmp_path_factory):
 
 def agrees(model, prompts, ref, out) -> list[int]:
     """Requests whose tokens differ from generate's other than at a near-tie (should be none)."""
+    tie = compose_config([]).bench.precision.near_tie
     return [i for i, expected in enumerate(ref) if out[str(i)] != expected and
-            divergence_gap(model, prompts[i], expected, out[str(i)]) > NEAR_TIE]
+            divergence_gap(model, prompts[i], expected, out[str(i)]) > tie]
 
 
 def test_the_blocks_are_read_in_hugging_faces_row_order(tiny_gguf):

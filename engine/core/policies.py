@@ -6,7 +6,6 @@ Request-level (a batch runs until its longest member ends; finished rows stay as
 """
 import math
 
-from engine.config import group_entry
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -148,13 +147,10 @@ POLICIES = {"naive": Naive, "static": Static, "dynamic": Dynamic, "bucketed": Bu
             "continuous": Continuous, "mixed": Mixed, "chunked": Chunked}
 
 
-def make_scheduler(policy_cfg, max_request_tokens: int, eos_ids=()) -> Scheduler:
-    """The scheduler for a conf/policy entry: {name, max_running, ...its knobs}; a knob not given takes its default
-    from conf/policy/<name>.yaml (the one place of defaults); a bad name or knob fails naming the valid ones."""
-    given = dict(policy_cfg)
-    full = group_entry("policy", given.get("name"))
-    if set(given) - set(full):
-        raise ValueError(f"policy {full['name']!r} has no knob {sorted(set(given) - set(full))}; it has {sorted(full)}")
-    knobs = {k: v for k, v in {**full, **given}.items() if k not in ("name", "max_running")}
-    return POLICIES[full["name"]](int(given.get("max_running", full["max_running"])), max_request_tokens, eos_ids,
-                                  **knobs)
+def make_scheduler(policy: dict, max_request_tokens: int, eos_ids=()) -> Scheduler:
+    """The scheduler for a whole conf/policy entry: {name, max_running, ...every knob} (engine.config.policy_config
+    fills in the defaults and refuses unknown knobs)."""
+    if policy.get("name") not in POLICIES:
+        raise ValueError(f"policy {policy.get('name')!r}: choose one of {sorted(POLICIES)}")
+    knobs = {k: v for k, v in policy.items() if k not in ("name", "max_running")}
+    return POLICIES[policy["name"]](int(policy["max_running"]), max_request_tokens, eos_ids, **knobs)

@@ -1,9 +1,9 @@
-"""The fused fp32 CPU kernels of engine/kernels/csrc/native.cpp (torch.ops.lab: rms_norm, silu_mul, rotary_, write_rows_,
-first_argmax) and engine/kernels/csrc/decode_attention.cpp (decode_attention, rotary_decode_attention, token_attention), built
-into one library once per machine with the system's C++ compiler for the vector instructions torch uses here
-(AVX-512, AVX2 or none) and kept in $LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the
-flags. Where building or loading fails, `ops()` is None and the steps run ATen's operators instead; the reason is
-logged once and kept in `error`. The compiler: $CXX, else g++.
+"""The native CPU kernels (torch.ops.lab, sources in engine/kernels/csrc/, every operator registered in ops.cpp),
+built into one library once per machine with the system's C++ compiler for the best instruction-set build this CPU
+and torch run (BUILDS: AVX-512 with or without VNNI, AVX2, scalar; $LAB_KERNELS_BUILD names another) and kept in
+$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags. Where building or loading fails,
+`ops()` is None and the steps run ATen's operators instead; the reason is logged once and kept in `error`.
+`capabilities()` says what the loaded build runs. The compiler: $CXX, else g++.
 """
 import hashlib
 import logging
@@ -18,24 +18,34 @@ from engine import machine
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
-SOURCES = [HERE / f for f in ("native.cpp", "decode_attention.cpp", "quant.cpp", "bf16.cpp", "layer.cpp")]
-HEADERS = [HERE / "native.h", HERE / "quant.h"]  # what the sources include
-ISA = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
-       "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}  # torch's CPU capability -> compiler flags
-VNNI = ["-DLAB_VNNI"]  # with AVX512 on a CPU with AVX512-VNNI: Q4_1's integer products (engine/kernels/csrc/quant.cpp)
-PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layers' product kinds, in order
+SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "quant.cpp", "bf16.cpp", "layer.cpp")]
+AVX512 = ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
+BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (quant.cpp) where the CPU has VNNI
+          "AVX512": AVX512, "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"],
+          "scalar": []}  # instruction-set build -> its compiler flags, best first
+BUILD_VAR = "LAB_KERNELS_BUILD"  # environment variable: one of BUILDS to build and load instead of the best
+PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layers' kinds (products.h), in order
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 
 
-def _flags() -> list[str]:
+def builds() -> list[str]:
+    """The builds of BUILDS this CPU runs under torch's CPU capability, best first."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    best = {"AVX512": 0 if machine.cpu_info()[1]["avx512_vnni"] else 1, "AVX2": 2}.get(capability, 3)
+    return list(BUILDS)[best:]
+
+
+def _flags(build: str | None = None) -> list[str]:
+    """The compiler flags of `build` (default: $LAB_KERNELS_BUILD, else the best this CPU runs)."""
     from torch.utils import cpp_extension  # include and library folders of this torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = ISA.get(capability, []) + (VNNI if capability == "AVX512" and machine.cpu_info()[1]["avx512_vnni"] else [])
+    build = build or os.environ.get(BUILD_VAR) or builds()[0]
+    if build not in builds():
+        raise ValueError(f"{BUILD_VAR}={build}: this CPU runs the builds {builds()}")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     libs = cpp_extension.library_paths()
-    return (["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", abi, *isa]
+    return (["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", abi, *BUILDS[build]]
             + [f"-I{p}" for p in cpp_extension.include_paths()]
             + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs] + ["-lc10", "-ltorch_cpu"])
 
@@ -48,7 +58,7 @@ def _build(flags: list[str] | None = None) -> Path:
     """The shared library for this source, torch and machine (or these compiler `flags`): compiled unless the cache
     has it."""
     flags = _flags() if flags is None else flags
-    code = b"".join(p.read_bytes() for p in [*SOURCES, *HEADERS])
+    code = b"".join(p.read_bytes() for p in sorted(HERE.iterdir()) if p.is_file())  # sources and headers
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
     lib = machine.cache_dir() / "native" / f"lab_{key[:16]}.so"
     if lib.exists():
@@ -102,3 +112,13 @@ def ops():
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             log.warning("fused CPU kernels unavailable; using ATen's operators: %s", error)
     return torch.ops.lab if _loaded else None
+
+
+def capabilities() -> dict | None:
+    """What the loaded build runs: {"isa": AVX512, AVX2 or scalar, "q4_1_vnni": Q4_1's integer products run here,
+    "bf16_dot": the bf16 products run here, "products": lab.layers' product kinds in enum order}; None unbuilt."""
+    lab = ops()
+    if lab is None:
+        return None
+    isa, vnni, bf16, products = lab.capabilities()
+    return {"isa": isa, "q4_1_vnni": vnni, "bf16_dot": bf16, "products": list(products)}

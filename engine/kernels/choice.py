@@ -1,15 +1,15 @@
-"""The weight matrices' products (Dense), and which product each weight shape uses at each row count: the fastest
-candidate measured on this machine, cached per machine (CPU model and instruction sets, GPU, threads, torch, dtype,
-shape) so it is paid once.
+"""Which product each weight shape uses at each row count: the fastest candidate measured on this machine, cached
+per machine (CPU model and instruction sets, GPU, threads, torch, dtype, shape) so it is paid once.
 
 Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs,
-`packed` (MKL's GEMM on a weight packed once into its own layout) and `onednn` (oneDNN's inner product on a weight
-reordered once into its blocked layout, the residual added inside it). A step of r rows uses the choice of the
-smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape (all layers), as
-a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a share of them, the
-time scaled), interleaved with the others, median of REPEATS; measured again, a choice changes only for a candidate
-faster by more than MARGIN. Shapes whose matrices together fit in a CPU's caches are not measured (their timings
-are noise) and keep `default`, as do devices without a clock (`meta`).
+`packed` and `onednn` (MKL's and oneDNN's products on a weight laid out once in their own layouts: aten.py). A step
+of r rows uses the choice of the smallest bucket >= r (the last beyond it). Each candidate is timed over every
+matrix of the shape (all layers), as a step streams them from memory (past STREAMED rows, where a product is
+compute-bound, over a share of them, the time scaled), interleaved with the others, median of REPEATS; measured
+again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices together fit in a
+CPU's caches are not measured (their timings are noise) and keep `default`, as do devices without a clock (`meta`).
+The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and
+`product(candidate, x)` (engine/model/linear.py's Dense).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
 import hashlib
@@ -149,94 +149,3 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         tmp.write_text(json.dumps(cached, indent=1))
         os.replace(tmp, path)
     return out
-
-
-def _onednn(x, weight, bias, residual):
-    """oneDNN's inner product on its reordered weight, + residual inside it when given."""
-    if residual is None:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
-
-
-# The packed products as operators of their own, which a compiled graph calls as they are (Inductor's lowering of
-# the MKL operator needs a fixed row count; oneDNN's expects a frozen graph); eager code calls them directly
-_OPS = torch.library.Library("flat", "DEF")
-_OPS.define("packed_linear(Tensor x, Tensor packed, Tensor w_out_in, Tensor? bias) -> Tensor")
-_OPS.impl("packed_linear", lambda x, packed, w, bias: torch.ops.mkl._mkl_linear(x, packed, w, bias, x.shape[0]),
-          "CompositeExplicitAutograd")
-_OPS.define("onednn_linear(Tensor x, Tensor weight, Tensor w_out_in, Tensor? bias, Tensor? residual) -> Tensor")
-_OPS.impl("onednn_linear", lambda x, weight, w, bias, residual: _onednn(x, weight, bias, residual),
-          "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("flat::packed_linear")
-def _packed_linear_shape(x, packed, w, bias):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-@torch.library.register_fake("flat::onednn_linear")
-def _onednn_linear_shape(x, weight, w, bias, residual):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-class Dense:
-    """y = x W^T (+ bias) (+ residual) for a weight W [out, in], through the product chosen for the step's row count
-    (`products`, one candidate per row bucket); only the layouts those candidates read are held."""
-
-    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
-        self.w_out_in = w_out_in.detach().contiguous()  # [out, in]: what `linear` reads
-        self.bias = None if bias is None else bias.detach()
-        self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
-        self.dtype, self.device = w_out_in.dtype, w_out_in.device
-        self.w = self.packed = self.dnn = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's for `onednn`
-        self.size = self.w_out_in  # a tensor of shape [out, in]: where the packed products read their sizes
-        self.products = default(self.device, self.dtype)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.w_out_in, self.w, self.packed, self.dnn, self.bias) if t is not None]
-
-    def hold(self, products) -> None:
-        """Make the layouts the candidates `products` read and drop the others (the values come from an [out, in] or
-        [in, out] layout, so one of them must be held until the last call)."""
-        src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
-        if src is None and set(products) - set(OPAQUE):
-            raise RuntimeError("only packed layouts are held: the weight's values cannot be read back")
-        if "in_out" in products and self.w is None:
-            self.w = src.t().contiguous()
-        if "packed" in products and self.packed is None:  # the layout does not depend on the row count (64: a hint)
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(src, 64)
-        if "onednn" in products and self.dnn is None:  # no row-count hint: one layout serves every row count
-            self.dnn = torch.ops.mkldnn._reorder_linear_weight(src.contiguous(), None)
-        if "linear" in products and self.w_out_in is None:
-            self.w_out_in = src.contiguous()
-        self.w = self.w if "in_out" in products else None
-        self.packed = self.packed if "packed" in products else None
-        self.dnn = self.dnn if "onednn" in products else None
-        self.w_out_in = self.w_out_in if "linear" in products else None
-        self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual: [rows, out], added to the product (inside it where the product allows)."""
-        return self.product(self.products[bucket(x.shape[0])], x, residual)
-
-    def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if name == "packed":
-            if torch.compiler.is_compiling():  # eager calls skip the operator's Python wrapper
-                y = torch.ops.flat.packed_linear(x, self.packed, self.size, self.bias)
-            else:
-                y = torch.ops.mkl._mkl_linear(x, self.packed, self.size, self.bias, x.shape[0])
-            return y if residual is None else y.add_(residual)
-        if name == "onednn":
-            if torch.compiler.is_compiling():
-                return torch.ops.flat.onednn_linear(x, self.dnn, self.size, self.bias, residual)
-            return _onednn(x, self.dnn, self.bias, residual)
-        w = self.w if name == "in_out" else self.w_out_in.t()
-        if self.bias is None:
-            return x @ w if residual is None else torch.addmm(residual, x, w)
-        y = torch.addmm(self.bias, x, w)
-        return y if residual is None else y.add_(residual)

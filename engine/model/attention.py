@@ -4,10 +4,12 @@ activations' dtype (a bf16 cache under fp32 activations: exactly); no path loops
 
 DenseDecode: decodes only, token i in seat i of a slot cache: one call against a view of the first seats.
 EqualPrompts: whole prompts of one length that no window cuts: the step's own q, k, v are the grid (SDPA, causal).
-Spans: each token against its own keys, read in place (the fused CPU kernel): a slot cache's seat or a paged
+Spans: each token against its own keys, read in place (the native CPU kernel): a slot cache's seat or a paged
   sequence's block rows, from the window's start (or 0) to itself.
 Padded: any step with torch's operators: decodes against a view of the seats (or their keys gathered through their
   block tables), prompt chunks padded to the longest against a gather of their keys.
+
+The sliding-window rule is `window_start`; every mask and span the runner builds reads it.
 """
 from dataclasses import dataclass
 
@@ -15,12 +17,22 @@ import torch
 import torch.nn.functional as F
 
 
+def window_start(position, window: int | None):
+    """The first key a query at `position` attends (an int, or a tensor of positions): a query attends the keys at
+    positions [window_start, position], the last `window` of them (itself included), every earlier one when window
+    is None."""
+    if window is None:
+        return 0
+    start = position + 1 - window
+    return start.clamp(min=0) if isinstance(start, torch.Tensor) else max(0, start)
+
+
 def decode(net, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One query per sequence [S, H, D] against its keys k, v [S, KV, L, D] (a seat view or a gather): the fused
+    """One query per sequence [S, H, D] against its keys k, v [S, KV, L, D] (a seat view or a gather): the native
     kernel where the net has it (q may be strided; masked keys are never read), else two batched matmuls."""
     S, KV, L, D = k.shape
-    if net.fused is not None:
-        return net.fused.decode_attention(q, k, v, None if bias is None else bias.view(S, L), net.attn_scale)
+    if net.ops is not None:
+        return net.ops.decode_attention(q, k, v, None if bias is None else bias.view(S, L), net.attn_scale)
     k, v = k.to(q.dtype), v.to(q.dtype)  # no copy unless the cache holds another dtype
     k, v = k.view(S * KV, L, D), v.view(S * KV, L, D)  # no copy
     scores = torch.bmm(q.contiguous().view(S * KV, -1, D), k.transpose(1, 2))    # [S * KV, H/KV, L]
@@ -61,7 +73,7 @@ class Spans:
     key_rows: torch.Tensor | None = None  # paged: [sequences, KV, L] cache rows of each sequence's keys
 
     def attend(self, net, layer: int, q, k, v, cache) -> torch.Tensor:
-        return net.fused.token_attention(q, cache.k[layer], cache.v[layer], self.spans, self.key_rows, net.attn_scale)
+        return net.ops.token_attention(q, cache.k[layer], cache.v[layer], self.spans, self.key_rows, net.attn_scale)
 
 
 @dataclass

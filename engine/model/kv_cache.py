@@ -28,7 +28,7 @@ class SlotCache:
         return ((seats[:, None] * heads + self._heads) * cap + positions[:, None]).view(-1)
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops=None):
-        """k, v: [T, kv heads, dim], stored at `rows` in the cache's dtype. ops: the fused kernels
+        """k, v: [T, kv heads, dim], stored at `rows` in the cache's dtype. ops: the native kernels
         (engine/kernels/build.py), which copy strided k and v without first making them contiguous."""
         D = k.shape[-1]
         if ops is not None:

@@ -69,6 +69,12 @@ def eos_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
+def pad_id(tokenizer) -> int:
+    """The id left-padding fills a padded batch with: the tokenizer's pad token, else 0 (also without a tokenizer);
+    the attention mask hides it either way."""
+    return tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+
+
 def gguf_path(package: str, filename: str) -> Path:
     """The GGUF file shipped inside a Python package, found without importing the package."""
     spec = importlib.util.find_spec(package)

@@ -1,14 +1,30 @@
 """The model runner: one forward pass per SchedulerOutput, one sampled token per chunk that samples.
 
 It never branches on the policy: a decode, a whole prompt and a prompt chunk are chunks of different lengths. It
-picks the step's attention path (engine/model/attention.py) from the step's shape; only plain values go back.
+picks the step's attention path (engine/model/attention.py) from the step's shape; only plain values go back. Each
+step first lets the thread governor (engine/threads.py) follow the free cores; decode-only steps may run compiled,
+and with `graphs` padded to few shapes (`_bucketed`).
 """
+from dataclasses import replace
+
 import torch
 
+from engine import threads
 from engine.core.outputs import RunnerOutput, SchedulerOutput
-from engine.model.attention import DecodePart, DenseDecode, EqualPrompts, Padded, PromptPart, Spans, StepInputs
+from engine.model.attention import (
+    DecodePart,
+    DenseDecode,
+    EqualPrompts,
+    Padded,
+    PromptPart,
+    Spans,
+    StepInputs,
+    window_start,
+)
 from engine.model.device import to_device
 from engine.model.sampler import Sampler, token_logprobs
+
+KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
 
 class ModelRunner:
@@ -20,7 +36,7 @@ class ModelRunner:
         self.block_size = getattr(cache, "block_size", None)  # None: a seat per request
         self.graphs = graphs and self.block_size is None and not hasattr(cache, "copied_bytes")
         self.device = net.device
-        self.sampler = Sampler(seed, eos_ids)
+        self.sampler = Sampler(seed, eos_ids, net.ops)
 
     @property
     def vocab_size(self) -> int:
@@ -53,15 +69,15 @@ class ModelRunner:
             return self._dense_decode([c.start + 1 for _, c in decodes])
         longest = max((len(c.tokens) for _, c in prompts), default=0)
         if not decodes and all(c.start == 0 and len(c.tokens) == longest for _, c in prompts) \
-                and (win is None or longest <= win):
+                and window_start(longest - 1, win) == 0:
             return EqualPrompts(len(prompts), longest)
-        if self.net.fused is not None:
+        if self.net.ops is not None:
             return self._spans(chunks, places, positions)
         return Padded(self._decode_part(decodes), self._prompt_part(prompts, longest))
 
     def _dense_decode(self, lens: list[int]) -> DenseDecode:
-        length, win = max(lens), self.net.window
-        masked = any(n != length for n in lens) or (win is not None and length > win)
+        length = max(lens)
+        masked = any(n != length for n in lens) or window_start(length - 1, self.net.window) > 0
         return DenseDecode(len(lens), length, self._bias(lens, length) if masked else None)
 
     def _spans(self, chunks, places, positions) -> Spans:
@@ -69,7 +85,7 @@ class ModelRunner:
         the rows of every chunk's keys (paged)."""
         win, bs = self.net.window, self.block_size
         seq = places if bs is None else [i for i, c in enumerate(chunks) for _ in c.tokens]
-        spans = [(s, 0 if win is None else max(0, p + 1 - win), p + 1) for s, p in zip(seq, positions)]
+        spans = [(s, window_start(p, win), p + 1) for s, p in zip(seq, positions)]
         rows = None if bs is None else self._keys([c.blocks for c in chunks], -(-(max(positions) + 1) // bs) * bs)
         return Spans(self._tensor(spans), rows)
 
@@ -85,8 +101,7 @@ class ModelRunner:
         seat_len = [1] * (max(seats) + 1)  # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
             seat_len[s] = n
-        win = self.net.window
-        masked = any(n != length for n in seat_len) or (win is not None and length > win)
+        masked = any(n != length for n in seat_len) or window_start(length - 1, self.net.window) > 0
         return DecodePart(tokens, self._tensor(seats), len(seat_len), length,
                           self._bias(seat_len, length) if masked else None)
 
@@ -98,8 +113,8 @@ class ModelRunner:
         for p, (t0, c) in enumerate(prompts):
             tokens.extend(range(t0, t0 + len(c.tokens)))
             grid.extend(range(p * longest, p * longest + len(c.tokens)))
-        spans = [(c.start, len(c.tokens)) for _, c in prompts]
-        length = max(s + n for s, n in spans)
+        extents = [(c.start, len(c.tokens)) for _, c in prompts]
+        length = max(s + n for s, n in extents)
         seats, keys = None, None
         if self.block_size is None:
             seats = self._tensor([c.seat for _, c in prompts])
@@ -107,31 +122,28 @@ class ModelRunner:
             length = -(-length // self.block_size) * self.block_size
             keys = self._keys([c.blocks for _, c in prompts], length)
         return PromptPart(self._tensor(tokens), self._tensor(grid), seats, (len(prompts), longest, length),
-                          self._mask(spans, longest, length), keys)
+                          self._mask(extents, longest, length), keys)
 
     def _bias(self, lens, length):
         """[S, 1, 1, length] additive mask of one query at position n - 1 per sequence (n = lens[i]) against keys
         [0, length): 0 where it attends (within the window), -inf elsewhere."""
-        win = self.net.window
-        j, n = torch.arange(length, device=self.device)[None, :], self._tensor(lens)[:, None]
-        masked = j >= n if win is None else (j >= n) | (j < n - win)
+        j, p = torch.arange(length, device=self.device)[None, :], self._tensor(lens)[:, None] - 1
+        masked = (j > p) | (j < window_start(p, self.net.window))
         bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
         return bias[:, None, None, :]
 
-    def _mask(self, spans, qmax, length):
+    def _mask(self, extents, qmax, length):
         """[P, 1, qmax, length] bool, True where a chunk's query attends: keys up to its absolute position (and
         within the window); padded query rows see all. None when every chunk starts at 0 and no window cuts (SDPA's
         is_causal, aligned top-left)."""
-        win = self.net.window if self.net.window is not None and length > self.net.window else None
-        if win is None and all(s == 0 for s, _ in spans):
+        if window_start(length - 1, self.net.window) == 0 and all(s == 0 for s, _ in extents):
             return None
-        starts = self._tensor([s for s, _ in spans])[:, None, None]
-        counts = self._tensor([n for _, n in spans])[:, None, None]
+        starts = self._tensor([s for s, _ in extents])[:, None, None]
+        counts = self._tensor([n for _, n in extents])[:, None, None]
         qi = torch.arange(qmax, device=self.device)[None, :, None]
         kj = torch.arange(length, device=self.device)[None, None, :]
-        seen = kj <= starts + qi  # causal by absolute position: a chunk after a cached prefix is aligned to its end
-        if win is not None:
-            seen &= kj > starts + qi - win
+        p = starts + qi  # causal by absolute position: a chunk after a cached prefix is aligned to its end
+        seen = (kj <= p) & (kj >= window_start(p, self.net.window))
         return (seen | (qi >= counts))[:, None]
 
     def _keys(self, tables, length):
@@ -144,9 +156,10 @@ class ModelRunner:
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
         """One forward pass. Logprobs, for the rows that ask, are the raw model distribution's (fp32 log-softmax of
         the logits before penalties, temperature, top-k and top-p), as vLLM and OpenAI report them."""
+        threads.tick()
         for rid in plan.finished_ids:
             self.sampler.forget(rid)
-        logits = self.net.forward(self.inputs(plan), self.cache, self.compile, self.graphs)
+        logits = self._logits(self.inputs(plan))
         rows = [c for c in plan.chunks if c.sample]
         rids, params = [c.rid for c in rows], [c.params for c in rows]
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -154,3 +167,38 @@ class ModelRunner:
         tokens = self.sampler(logits, rids, params, {c.rid: c.history for c in rows if c.history is not None})
         logprobs = token_logprobs(raw, [tokens[i] for i in asked], [params[i].logprobs for i in asked]) if asked else []
         return RunnerOutput(dict(zip(rids, tokens)), dict(zip([rids[i] for i in asked], logprobs)))
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor:
+        """The net's logits for the step: a step of decodes only (DenseDecode) runs through torch.compile with
+        `compile` (each step shape compiled once per process, engine/model/compiled.py; LLMEngine.warm_up compiles
+        them all up front), padded to few shapes with `graphs` (_bucketed; on CUDA each captured once as a CUDA graph
+        and replayed)."""
+        if not (isinstance(inputs.attention, DenseDecode) and (self.compile or self.graphs)):
+            return self.net.forward(inputs, self.cache)
+        n = inputs.logit_rows.shape[0]
+        if self.graphs:
+            inputs = self._bucketed(inputs)
+        logits = self.net.forward(inputs, self.cache, compiled=self.compile,
+                                  cuda_graphs=self.graphs and self.device.type == "cuda")
+        return logits[:n].clone() if self.graphs else logits  # a graph's outputs are overwritten by its next replay
+
+    def _bucketed(self, inputs: StepInputs) -> StepInputs:
+        """A dense decode step padded to one of few shapes: seats to the next power of two (at most the cache's),
+        keys to the next multiple of KEY_BUCKET (at most a seat), each row masked to its own keys. A padded row
+        decodes token 0 in its own seat at the seat's last position, which no request ever writes (prompt +
+        max_new_tokens fit the seat and the last token is never fed back), and attends every key; its logits are
+        dropped. All rows' logits are taken, in seat order."""
+        a, dev, cache = inputs.attention, inputs.ids.device, self.cache
+        S = a.num_seats
+        Sb = min(1 << (S - 1).bit_length(), cache.k[0].shape[0])
+        Lb = min(-(-a.length // KEY_BUCKET) * KEY_BUCKET, cache.seat_len)
+        rows = torch.arange(Sb, device=dev)
+        pos = torch.cat([inputs.positions, inputs.positions.new_full((Sb - S,), cache.seat_len - 1)])
+        j, p = torch.arange(Lb, device=dev)[None, :], pos[:, None]
+        masked = (j > p) | (j < window_start(p, self.net.window))
+        masked &= (rows < S)[:, None]  # padded rows see every key: no row is all -inf (no NaN written anywhere)
+        bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=dev).masked_fill_(masked, -torch.inf)
+        ids = torch.cat([inputs.ids, inputs.ids.new_zeros(Sb - S)])
+        return replace(inputs, ids=ids, positions=pos, places=rows, logit_rows=rows,
+                       attention=DenseDecode(Sb, Lb, bias[:, None, None, :]),
+                       end=cache.seat_len if Sb > S else inputs.end)

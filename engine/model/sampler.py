@@ -9,15 +9,14 @@ the GPU), so sampling reads nothing back from the device but the chosen ids.
 """
 import torch
 
-from engine.kernels import build as native
 from engine.model.device import to_device
 
 
-def first_argmax(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """argmax over the last dim (the first maximum, as torch.argmax): fp32 on a CPU by the fused kernel, else by
-    block maxima (argmax's index-tracking loop is not vectorized; amax is)."""
-    ops = native.ops() if x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1 else None
-    if ops is not None:
+def first_argmax(x: torch.Tensor, ops=None, block: int = 1024) -> torch.Tensor:
+    """argmax over the last dim (the first maximum, as torch.argmax): fp32 on a CPU by the native kernel where `ops`
+    (engine/kernels/build.py's) is given, else by block maxima (argmax's index-tracking loop is not vectorized; amax
+    is)."""
+    if ops is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(-1) == 1:
         return ops.first_argmax(x)
     rows, n = x.shape
     if n % block or n == block:
@@ -37,8 +36,9 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> 
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_ids=()):
-        self.eos_ids = list(eos_ids)
+    def __init__(self, seed: int = 0, eos_ids=(), ops=None):
+        """ops: the native kernels the model runs (its `ops`), or None."""
+        self.eos_ids, self.ops = list(eos_ids), ops
         self._engine_rng = torch.Generator().manual_seed(seed)   # draws the seeds of requests that bring none
         self._rngs: dict[str, torch.Generator] = {}               # rid -> its own generator, on the logits' device
 
@@ -66,7 +66,7 @@ class Sampler:
         if hurt:
             idx = to_device(hurt, dev)
             logits[idx] = self._penalize(logits[idx], [params[i] for i in hurt], [seen[rids[i]] for i in hurt])
-        tokens = first_argmax(logits)
+        tokens = first_argmax(logits, self.ops)
         hot = [i for i, p in enumerate(params) if p.temperature > 0]
         if hot:
             idx = to_device(hot, dev)

@@ -1,5 +1,5 @@
-"""Which model configs the engine's forward pass (engine/model/forward.py) computes: check_config refuses, by name, a field
-whose effect it would not reproduce, and gives the attention window."""
+"""Which model configs the engine's forward pass (engine/model/forward.py) computes: check_supported refuses, by name, a
+field whose effect it would not reproduce; attention_window reads the sliding window a supported config sets."""
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -14,9 +14,9 @@ LAYER_PARAMS = {f"{block}.{proj}_proj.{t}" for block, projs in (("self_attn", "q
                                                                      "post_attention_layernorm.weight"}
 
 
-def check_config(hf_model) -> int | None:
-    """Refuse, with a ValueError naming the field, a model whose forward pass engine/model/forward.py would not reproduce;
-    return its attention window (tokens, the query included; None = unlimited)."""
+def check_supported(hf_model) -> None:
+    """Refuse, with a ValueError naming the field, a model whose forward pass engine/model/forward.py would not
+    reproduce."""
     cfg = hf_model.config
 
     def refuse(field, value, supported):
@@ -40,12 +40,19 @@ def check_config(hf_model) -> int | None:
             refuse("layer parameter", name, f"a layer holds only {sorted(LAYER_PARAMS)}")
     if getattr(hf_model.lm_head, "bias", None) is not None:
         refuse("lm_head.bias", "present", "the output projection has no bias")
-    if cfg.model_type == "mistral":  # every layer windowed when sliding_window is set
-        return cfg.sliding_window
-    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if layer_types == {"sliding_attention"}:
-        return cfg.sliding_window
-    if layer_types != {"full_attention"}:  # qwen2: layers from max_window_layers on are windowed
+    if cfg.model_type != "mistral" and _layer_types(cfg) not in ({"full_attention"}, {"sliding_attention"}):
         refuse("layer_types", cfg.layer_types, "the window must cover every layer or none "
                "(use_sliding_window with max_window_layers = 0 or >= num_hidden_layers)")
+
+
+def _layer_types(cfg) -> set[str]:
+    """qwen2: layers from max_window_layers on are windowed (layer_types); a config without them has none."""
+    return set(getattr(cfg, "layer_types", None) or ["full_attention"])
+
+
+def attention_window(cfg) -> int | None:
+    """The tokens each query attends (itself included) in a supported config; None = every one before it. Mistral
+    windows every layer when sliding_window is set; qwen2 only when every layer is windowed."""
+    if cfg.model_type == "mistral" or _layer_types(cfg) == {"sliding_attention"}:
+        return cfg.sliding_window
     return None

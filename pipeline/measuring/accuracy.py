@@ -3,11 +3,11 @@
 A token stream: the project's chat and long prompts, each continued greedily by the fp32 engine.
 Teacher-forced through each level, every position's logits are compared in fp64 with fp32's: KL(p_fp32 || p_level)
 (mean, p99, max), top-1 agreement over all positions and over those without a near-tie (the reference's top-2
-log-probabilities within TIE of each other), and the change of the stream's perplexity. Free-running: each level's
-greedy outputs for whole requests against fp32's (exact-match rate, first divergences). The noise floor first:
-teacher-forced, fp32 against fp32 through another product kernel; free-running, fp32 one request at a time against
-fp32 all at once (B=1 against B=many). A level is lossless when its mean KLD is within LOSSLESS_KLD times the
-floor's and its top-1 without near-ties reaches LOSSLESS_TOP1.
+log-probabilities within bench.precision.near_tie of each other), and the change of the stream's perplexity.
+Free-running: each level's greedy outputs for whole requests against fp32's (exact-match rate, first divergences).
+The noise floor first: teacher-forced, fp32 against fp32 through another product kernel; free-running, fp32 one
+request at a time against fp32 all at once (B=1 against B=many). A level is lossless when its mean KLD is within
+bench.precision.lossless_kld times the floor's and its top-1 without near-ties reaches bench.precision.lossless_top1.
 """
 from dataclasses import replace
 
@@ -18,11 +18,9 @@ from engine import LLMEngine, SamplingParams
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.model.kv_cache import make_cache
 from engine.model.runner import ModelRunner
+from pipeline.measuring.equivalence import first_divergence
 from pipeline.workloads.prompts import long_prompts, short_prompts
 
-TIE = 1e-3            # log-probability gap of the reference's top two below which a position is a near-tie
-LOSSLESS_KLD = 10.0   # a lossless level's mean KLD is at most this many times the noise floor's
-LOSSLESS_TOP1 = 0.999  # and its top-1 agreement without near-ties at least this
 ROWS = 512            # positions whose fp64 distributions are held at once
 
 
@@ -50,12 +48,14 @@ def logits_of(net, seqs: list[list[int]]) -> torch.Tensor:
     return net.forward(inputs, runner.cache)
 
 
-def compare(ref: torch.Tensor, gots: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, dict]:
+def compare(ref: torch.Tensor, gots: dict[str, torch.Tensor], targets: torch.Tensor,
+            near_tie: float) -> dict[str, dict]:
     """Per-position figures of each name's logits in `gots` against `ref` (fp32 [P, vocab]), in fp64, the reference's
     distribution computed once; targets: the stream's next tokens [P]. Name -> lists to pool: kld, top1, tie (a
-    reference near-tie), nll_ref, nll_got. KL(p || q) = sum p (a - b) - (lse_a - lse_b) for logits a, b: the small
-    differences a - b are summed, not the large log-probabilities. The fp64 rows live in buffers made once per call
-    (fresh ones of this size would be zeroed page by page by the kernel each time)."""
+    reference near-tie: its top two log-probabilities within near_tie), nll_ref, nll_got. KL(p || q) = sum p (a - b)
+    - (lse_a - lse_b) for logits a, b: the small differences a - b are summed, not the large log-probabilities. The
+    fp64 rows live in buffers made once per call (fresh ones of this size would be zeroed page by page by the kernel
+    each time)."""
     out = {name: {k: [] for k in ("kld", "top1", "tie", "nll_ref", "nll_got")} for name in gots}
     a, p, b, scratch = (ref.new_empty((min(ROWS, ref.shape[0]), ref.shape[1]), dtype=torch.float64) for _ in range(4))
     for s in range(0, ref.shape[0], ROWS):
@@ -74,7 +74,7 @@ def compare(ref: torch.Tensor, gots: dict[str, torch.Tensor], targets: torch.Ten
             nll_got = lse_b - b_.gather(1, t)[:, 0]
             torch.sub(a_, b_, out=b_)  # a - b
             o["kld"].append(torch.bmm(p_[:, None, :], b_[:, :, None])[:, 0, 0] - (lse_a - lse_b))
-            o["tie"].append(top2[:, 0] - top2[:, 1] < TIE)
+            o["tie"].append(top2[:, 0] - top2[:, 1] < near_tie)
             o["top1"].append(top_a == g.argmax(-1))
             o["nll_ref"].append(lse_a - a_.gather(1, t)[:, 0])
             o["nll_got"].append(nll_got)
@@ -97,7 +97,7 @@ def summary(c: dict) -> dict:
             "ppl_delta": float(c["nll_got"].mean().exp() - c["nll_ref"].mean().exp())}
 
 
-def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int,
+def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int, near_tie: float,
                    share: dict | None = None) -> dict[str, dict]:
     """Name -> pooled compare() of each net against ref_net over the stream, `batch` sequences per pass; a name in
     `share` only on the stream's first share[name] sequences (the reference's logits computed once for all)."""
@@ -106,7 +106,8 @@ def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int,
         chunk = seqs[a:a + batch]
         here = {name: net for name, net in nets.items() if a < (share or {}).get(name, len(seqs))}
         targets = torch.tensor([t for s in chunk for t in s[1:]])
-        got = compare(logits_of(ref_net, chunk), {name: logits_of(net, chunk) for name, net in here.items()}, targets)
+        got = compare(logits_of(ref_net, chunk), {name: logits_of(net, chunk) for name, net in here.items()}, targets,
+                      near_tie)
         for name in here:
             pooled[name].append(got[name])
     return {name: {k: torch.cat([c[k] for c in cs]) for k in cs[0]} for name, cs in pooled.items()}
@@ -119,11 +120,15 @@ def greedy(net, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 
 
 def greedy_agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
-    """Whole-request exact matches and where the others first diverge (token index)."""
-    first = [next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(ref, got)]
+    """Whole-request exact matches and where the others first diverge (token index; a shorter output diverges
+    where it ends)."""
+    first = [first_divergence(r, g) for r, g in zip(ref, got)]
     return {"greedy_exact": sum(f is None for f in first) / len(ref),
             "first_divergences": sorted(f for f in first if f is not None)}
 
 
-def lossless(level: dict, floor: dict) -> bool:
-    return level["kld_mean"] <= LOSSLESS_KLD * max(floor["kld_mean"], 1e-12) and level["top1_no_ties"] >= LOSSLESS_TOP1
+def lossless(level: dict, floor: dict, rule) -> bool:
+    """rule: bench.precision (lossless_kld: times the floor's mean KLD at most; lossless_top1: top-1 without
+    near-ties at least)."""
+    return (level["kld_mean"] <= float(rule.lossless_kld) * max(floor["kld_mean"], 1e-12)
+            and level["top1_no_ties"] >= float(rule.lossless_top1))

@@ -1,13 +1,13 @@
-"""What the machine did while a run was timed, and whether that disturbed it. Other processes' CPU and the steal
-time come from /proc/stat, the run's own CPU from its process (and any server processes it drives); a run is
-disturbed when other work took more CPU than `measure.other_cpu_max` or steal more than `measure.steal_max`
-(conf/config.yaml). A disturbed run is measured again up to `measure.tries` times, then kept and labelled."""
+"""What the machine did while a run was timed, and whether that disturbed it. The machine's busy and steal time
+come from /proc/stat, the run's own CPU from its process (and any server processes it drives); other work is
+engine.machine.other_cpu_share (other processes and steal). A run is disturbed when other work took more CPU than
+`measure.other_cpu_max` or steal alone more than `measure.steal_max` (conf/config.yaml). A disturbed run is measured
+again up to `measure.tries` times, then kept and labelled."""
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 
-from engine.machine import machine_cpu_s, process_cpu_s
+from engine.machine import cpu_times, other_cpu_share
 
 
 class ImpossibleFigure(ValueError):
@@ -17,7 +17,7 @@ class ImpossibleFigure(ValueError):
 @dataclass(frozen=True)
 class Disturbance:
     wall_s: float
-    other_cpu_share: float             # other processes' CPU seconds per wall second
+    other_cpu_share: float             # other work's CPU seconds per wall second (other processes and steal)
     steal_share: float                 # CPU seconds the hypervisor gave away per wall second
     own_cpu_share: float               # the run's own CPU seconds per wall second (its process and servers)
     disturbed: bool
@@ -34,21 +34,16 @@ class Watch:
     def __init__(self, limits, pids=()):
         self.limits, self.pids = limits, list(pids)
 
-    def _sample(self):
-        busy, steal = machine_cpu_s()
-        own = process_cpu_s() + sum(process_cpu_s(p) for p in self.pids)
-        return time.perf_counter(), busy, steal, own
-
     def __enter__(self):
-        self._start = self._sample()
+        self._start = cpu_times(self.pids)
         return self
 
     def __exit__(self, *exc):
-        t, busy, steal, own = (b - a for a, b in zip(self._start, self._sample()))
-        t = max(t, 1e-9)
-        other = max(0.0, busy - own) / t
-        self.result = Disturbance(t, other, steal / t, own / t,
-                                  other > float(self.limits.other_cpu_max) or steal / t > float(self.limits.steal_max))
+        a, b = self._start, cpu_times(self.pids)
+        t = max(b.wall_s - a.wall_s, 1e-9)
+        other, steal = other_cpu_share(a, b), (b.steal_s - a.steal_s) / t
+        self.result = Disturbance(t, other, steal, (b.own_s - a.own_s) / t,
+                                  other > float(self.limits.other_cpu_max) or steal > float(self.limits.steal_max))
 
 
 def measured(fn, limits, label: str, pids=(), check=None):

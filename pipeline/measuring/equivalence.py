@@ -1,5 +1,7 @@
 """Seed 000's equivalence scenario: six requests, at most three running, staggered arrivals, one step per virtual
 second; the reference is Hugging Face generate on each request alone (engine.hf)."""
+import math
+
 import torch
 
 from engine import LLMEngine, SamplingParams
@@ -8,7 +10,6 @@ from engine.model.hf import generate_alone
 from engine.model.loader import eos_ids
 from pipeline.workloads.prompts import CHAT, chat_ids
 
-NEAR_TIE = 1e-3  # logits: a reference's best beating another token by at most this is a near-tie (summation order)
 ARRIVE = {0: [0, 1], 3: [2], 4: [3, 4], 20: [5]}
 LENS = [12, 30, 5, 40, 30, 12]
 POLICIES = [
@@ -49,17 +50,22 @@ def scenario_prompts(model, tokenizer) -> list[list[int]]:
     return [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 23, 4, 31, 17, 40)]
 
 
-def first_divergence(got: list[int], expected: list[int]) -> int:
-    """Tokens equal before the first that differs (len(expected) if none does)."""
-    return next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), len(expected))
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two outputs differ, None where they are equal; outputs of different lengths
+    differ at the shorter one's end (a truncated output is no match)."""
+    k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if k == len(a) == len(b) else k
 
 
 def divergence_gap(model, prompt: list[int], expected: list[int], got: list[int]) -> float | None:
     """Where the engine's tokens first leave the reference's: how far below the reference's best logit, in the
-    reference's own logits at that position, the engine's choice scores (None: no divergence)."""
+    reference's own logits at that position, the engine's choice scores (None: no divergence; inf: one output ends
+    there, the other goes on)."""
     k = first_divergence(got, expected)
-    if k == len(expected):
+    if k is None:
         return None
+    if k == min(len(got), len(expected)):
+        return math.inf
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + expected[:k]], device=model.device)).logits[0, -1].float()
     return logits.max().item() - logits[got[k]].item()
@@ -68,7 +74,7 @@ def divergence_gap(model, prompt: list[int], expected: list[int], got: list[int]
 def check(model, tokenizer, weights: dict, tie: float | None = None) -> dict[str, int]:
     """Policy -> how many of the scenario's requests the engine (storage `weights`, engine.config.engine_weights)
     answers as generate does: token for token (tie None), or up to a first divergence at a near-tie, where the
-    reference's best logit beats the engine's choice by at most `tie`."""
+    reference's best logit beats the engine's choice by at most `tie` (bench.precision.near_tie)."""
     prompts = scenario_prompts(model, tokenizer)
     ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
     net, matches = FlatModel(model, **weights), {}

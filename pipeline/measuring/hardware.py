@@ -8,10 +8,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLMEngine, SamplingParams
-from engine.config import engine_weights
+from engine.config import engine_weights, group_entry, options
+from engine.kernels import build
+from engine.kernels.choice import BUCKETS
 from engine.model.forward import FlatModel
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.fingerprint import environment
+from pipeline.measuring.levels import level_nets
 from pipeline.measuring.timing import bandwidth_gbs, best_of, step_floor_ms
 from pipeline.workloads.prompts import prompts_for
 
@@ -38,14 +41,14 @@ def step_split(net: FlatModel, batch: int, steps: int = 6, fused: bool = True) -
     """One engine decoding `batch` short chat prompts: its decode step's wall time (median of `steps`, ms), then
     the same steps under torch.profiler, split into PARTS by top-level operator, "other operators", and the time
     outside operators (Python, scheduling, sampling bookkeeping), ms per step; the profiler's own cost makes the
-    profiled step longer than the plain one. fused: the net's fused CPU kernels (engine/kernels/build.py) if it has them,
-    else ATen's operators alone."""
-    ops = net.fused
-    net.fused = ops if fused else None
+    profiled step longer than the plain one. fused: the net's native CPU kernels (engine/kernels/build.py) if it
+    has them, else ATen's operators alone."""
+    ops = net.ops
+    net.ops = ops if fused else None
     try:
-        return {**_split(net, batch, steps), "kernels": "fused" if net.fused is not None else "ATen"}
+        return {**_split(net, batch, steps), "kernels": "fused" if net.ops is not None else "ATen"}
     finally:
-        net.fused = ops
+        net.ops = ops
 
 
 def _split(net: FlatModel, batch: int, steps: int) -> dict:
@@ -73,6 +76,28 @@ def _split(net: FlatModel, batch: int, steps: int) -> dict:
     return {"batch": batch, "step_ms": statistics.median(wall) * 1e3, "profiled_ms": profiled, "parts": parts}
 
 
+def kernel_table(cfg, model) -> dict:
+    """Which kernel each precision level of this device runs for each product at each row bucket (a step of r rows
+    takes the smallest bucket >= r), from the engine built at that level on this machine: {"buckets", "build" (what
+    the native library runs, engine/kernels/build.py), "levels": {level: {product: [kernels per bucket]}},
+    "skipped": {level: why}}. A product whose layers differ lists each kernel with its count of layers."""
+    names = [p for p in options("precision") if group_entry("precision", p)["device"] == cfg.precision.device]
+    levels, skipped, _ = level_nets(cfg, names, {(cfg.precision.dtype, cfg.precision.device): (model, None)})
+    table = {}
+    for name, (net, _, _) in levels.items():
+        groups = {"head": [net.lm_head], **{k: [getattr(l, k) for l in net.layers] for k in ("qkv", "o", "gate_up",
+                                                                                              "down")}}
+        table[name] = {k: [_kernels(ds, b) for b in range(len(BUCKETS))] for k, ds in groups.items()}
+    return {"buckets": list(BUCKETS), "build": build.capabilities(), "levels": table, "skipped": skipped}
+
+
+def _kernels(products: list, bucket: int) -> str:
+    counts = {}
+    for d in products:
+        counts[d.kernel(bucket)] = counts.get(d.kernel(bucket), 0) + 1
+    return next(iter(counts)) if len(counts) == 1 else ", ".join(f"{k} x{n}" for k, n in counts.items())
+
+
 def probe(cfg, model) -> dict:
     """The probe's figures for a Hugging Face model; each timed part measured again while disturbed (cfg.measure),
     what the machine did meanwhile in `disturbance`."""
@@ -93,7 +118,7 @@ def probe(cfg, model) -> dict:
         floors.append({"batch": b, "measured_ms": floor_ms[b], "tok_s_ceiling": b / floor_ms[b] * 1e3,
                        "roofline_ms": max(mem_ms, math_ms), "intensity": 2 * params * b / weight_bytes,
                        "regime": "memory-bound" if mem_ms >= math_ms else "compute-bound"})
-    both = (True, False) if net.fused is not None else (True,)  # fused kernels, then ATen's, where both run
+    both = (True, False) if net.ops is not None else (True,)  # fused kernels, then ATen's, where both run
     split, split_watch = measured(lambda: [step_split(net, b, fused=f) for b in SPLIT_BATCHES for f in both]
                                   if dev == "cpu" else [], limits, "probe: step split")  # GPU: asynchronous
     kv = net.kv_bytes_per_token
@@ -107,6 +132,7 @@ def probe(cfg, model) -> dict:
             "bandwidth_gbs": bw, "gflops": flops, "ridge_flop_per_byte": ridge, "floors": floors,
             "step_split": split, "kv_bytes_per_token": kv, "memory_bytes": total, "kv_budget_bytes": budget,
             "seats": seats, "kernels": [{"shape": list(shape), **c} for shape, c in net.kernels.items()],
+            "kernel_table": kernel_table(cfg, model),
             "disturbance": {"kernel choice": choice.fields(), "rates": rates.fields(),
                             "floors": floor_watch.fields(), "step split": split_watch.fields()},
             "machine": environment(cfg.threads, dev)}

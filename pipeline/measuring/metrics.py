@@ -11,7 +11,7 @@ reserved: whole seats on the slot cache, whole blocks on the paged one).
 - max gap = the largest ITL of a request (a prefill stall shows up here).
 - throughput = output tokens of all requests / wall time (first arrival to last token).
 - a request meets the SLO when it completed within both the TTFT and the TPOT limit; a run meets it when at least
-  SLO_SHARE of its requests do (a p99 promise).
+  slo.share of its requests do (conf/slo: 0.99, a p99 promise).
 - goodput = output tokens of requests that met the SLO / wall time (DistServe).
 - slot efficiency = useful rows / computed rows (a zombie row is computed, not useful).
 - live rows = useful rows per step, averaged over steps.
@@ -22,8 +22,6 @@ reserved: whole seats on the slot cache, whole blocks on the paged one).
 """
 import numpy as np
 import pandas as pd
-
-SLO_SHARE = 0.99  # share of a run's requests that must meet the SLO for the run to meet it
 
 
 def pct(values, q: float) -> float:
@@ -86,9 +84,9 @@ def summarize(req: pd.DataFrame, steps: pd.DataFrame | None = None, ttft_limit: 
     return out
 
 
-def meets_slo(row: dict) -> bool:
-    """A summary row (summarize) meets the SLO: at least SLO_SHARE of its requests did."""
-    return row.get("slo_met", 0.0) >= SLO_SHARE
+def meets_slo(row: dict, share: float) -> bool:
+    """A summary row (summarize) meets the SLO: at least `share` (slo.share) of its requests did."""
+    return row.get("slo_met", 0.0) >= share
 
 
 def slo_limits(slo, step_s: float) -> tuple[float, float]:

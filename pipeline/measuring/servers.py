@@ -1,9 +1,12 @@
-"""The servers under load: each started as its own process (python -m servers) on a free port, loaded closed-loop
-at each concurrency after a warm-up round, stopped; the main workload open loop; the in-process references."""
+"""The servers under load: each started as its own process (python -m servers) on a free port, one that dies with
+its parent (running), loaded closed-loop at each concurrency after a warm-up round, stopped; the main workload open
+loop; the in-process references."""
 import asyncio
+import ctypes
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -15,17 +18,43 @@ from omegaconf import OmegaConf
 
 from engine.config import ROOT, engine_weights, load_configured_model, load_reference_model
 from engine.model.forward import FlatModel
+from engine.model.loader import pad_id
 from pipeline.measuring.disturbance import measured, server_pids
 from pipeline.measuring.loadgen import closed_loop, open_loop
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.measuring.timing import engine_run, hf_generate, warm_compiled
 from pipeline.workloads.prompts import CHAT, chat_ids
 
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process gets when the thread that started it ends
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dies_with_parent():
+    """A preexec_fn for subprocess: the child gets SIGKILL when the thread that started it ends, however it ends
+    (kill -9, the OOM killer), so that no server or busy loop outlives the stage or tool that started it; a child
+    whose parent is already gone by then ends at once. Linux's parent-death signal follows the starting thread, not
+    the process: start children from the main thread. None where the C library has no prctl."""
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # looked up before the fork
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
+
+
+def running(args: list[str], **popen) -> subprocess.Popen:
+    """subprocess.Popen(args, **popen) for every child process the lab starts: it dies with its parent
+    (dies_with_parent)."""
+    return subprocess.Popen(args, preexec_fn=dies_with_parent(), **popen)
 
 
 def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
@@ -37,7 +66,7 @@ def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
             *([f"policy={run.policy}", f"policy.max_running={run.max_running}"] if run.server == "engine" else []),
             *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}"
               for k, v in (run.get("knobs") or {}).items()]]
-    return wait_ready(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
+    return wait_ready(running(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
 
 
 def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300,
@@ -166,8 +195,8 @@ def references(cfg, n: int, max_tokens: int, concurrency: int) -> dict:
         engine_run(net, prompts, warm, compile, graphs=graphs, max_running=concurrency)
     eng = engine_run(net, prompts, max_tokens, compile, graphs=graphs, max_running=concurrency)
     if warm:
-        hf_generate(model, prompts, warm, tok.pad_token_id or 0)
-    hf, _ = hf_generate(model, prompts, max_tokens, tok.pad_token_id or 0)
+        hf_generate(model, prompts, warm, pad_id(tok))
+    hf, _ = hf_generate(model, prompts, max_tokens, pad_id(tok))
     return {"engine_tps": n * max_tokens / eng["total"], "hf_tps": n * max_tokens / hf}
 
 

@@ -17,7 +17,7 @@ from engine import LLMEngine, SamplingParams
 from engine.machine import PeakRSS, synchronize
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_padded
-from engine.model.loader import eos_ids
+from engine.model.loader import eos_ids, pad_id
 from pipeline.measuring.disturbance import ImpossibleFigure, measured
 from pipeline.workloads.prompts import prompts_for
 
@@ -171,14 +171,14 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
     floor (bytes_floor_tps: every weight byte read once a step at that bandwidth, the bound of small batches); the
     same read measured again in this process before each case gives bytes_fraction_here (a machine whose memory
     reads differently from run to run shows it here)."""
-    pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     flags = {name: (bool(bench.compile or pc.compile), bool(pc.graphs)) for name, (_, _, pc) in levels.items()}
     net0, model0, _ = next(iter(levels.values()))
     device, vocab = net0.device, model0.config.vocab_size
     warm = prompts_for("chat", 2, tokenizer, vocab)
     for name, (net, model, _) in levels.items():
         engine_run(net, warm, 8, flags[name][0], graphs=flags[name][1])
-        hf_generate(model, warm, 8, pad_id)
+        hf_generate(model, warm, 8, pad)
         if flags[name][0]:
             warm_compiled(net, max(int(case["batch"]) for case in bench.cases), flags[name][1])
     rows, first = [], next(iter(levels))  # the configured level: also measured on a paged pool
@@ -191,7 +191,7 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
                                   limits, f"engine_speed {level} B={B}", check=check_case)
             if id(model) not in hf:
                 hf[id(model)] = measured(lambda: {"batch": B, "new_tokens": n, **hf_case(model, prompts, n, reps,
-                                                                                        pad_id)},
+                                                                                        pad)},
                                          limits, f"engine_speed generate B={B}", check=check_case)
             ref, ref_watch = hf[id(model)]
             row = {"precision": level, **row, **{k: v for k, v in ref.items() if k.startswith("hf_")},

@@ -12,9 +12,9 @@ def render_split(h: dict) -> list[str]:
              "per operator, so the profiled step is longer). `outside operators`: Python, scheduling, sampling "
              "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above). "
              "`fused`: the engine's own kernels for norms, rotary, SiLU x up, KV writes and decode attention "
-             "(engine/kernels/build.py, the default where they build), all layers in one call whose steps are split by the "
-             "operator each calls (`rest of the layers call`: that call's own work between them; a decode step's "
-             "rotary and KV writes run inside its decode attention kernel, and count there); `ATen`: torch's "
+             "(engine/kernels/build.py, the default where they build), all layers in one call whose steps are split "
+             "by the operator each calls (`rest of the layers call`: that call's own work between them; a decode "
+             "step's rotary and KV writes run inside its decode attention kernel, and count there); `ATen`: torch's "
              "operators for them.", "",
              "| B | kernels | step, ms | floor, ms | profiled step, ms | " + " | ".join(names) + " |",
              "|---|---|---|---|---|" + "---|" * len(names)]
@@ -23,6 +23,26 @@ def render_split(h: dict) -> list[str]:
         lines.append(f"| {sp['batch']} | {sp['kernels']} | {sp['step_ms']:.1f} | "
                      f"{floor.get(sp['batch'], float('nan')):.1f} | "
                      f"{sp['profiled_ms']:.1f} | " + " | ".join(f"{v:.1f}" for v in sp["parts"].values()) + " |")
+    return lines + [""]
+
+
+def render_kernel_table(k: dict) -> list[str]:
+    b = k["build"]
+    native = (f"the native library built for {b['isa']} (Q4_1 integer sums: {'yes' if b['q4_1_vnni'] else 'no'}, "
+              f"bf16 dot products: {'yes' if b['bf16_dot'] else 'no'})") if b else "no native library (ATen only)"
+    tops = [f"<= {n}" for n in k["buckets"][:-1]] + [f"> {k['buckets'][-2]}"]
+    lines = ["## Which kernel runs each product, per precision level and rows a step", "",
+             f"From the engine built at each level on this machine, with {native}. fp32: the product measured "
+             "fastest for the shape (`in_out`: x @ W; `linear`: F.linear; `packed`: MKL's GEMM on its packed layout; "
+             "`onednn`: oneDNN's inner product); w4: the GGUF block format, read as stored "
+             "(engine/kernels/csrc/quant.cpp); bf16: the bf16 product (engine/kernels/csrc/bf16.cpp, else "
+             "torch's).", "",
+             "| level | product | " + " | ".join(f"rows {t}" for t in tops) + " |",
+             "|---|---|" + "---|" * len(tops)]
+    for level, products in k["levels"].items():
+        for product, kernels_per_bucket in products.items():
+            lines.append(f"| {level} | {product} | " + " | ".join(kernels_per_bucket) + " |")
+    lines += [f"- {level}: not built here ({why})" for level, why in k["skipped"].items()]
     return lines + [""]
 
 
@@ -48,9 +68,9 @@ def render(h: dict) -> str:
         lines.append(f"| {f['batch']} | {f['measured_ms']:.1f} | {f['measured_ms'] / one:.2f} | "
                      f"{f['tok_s_ceiling']:.0f} | {f['roofline_ms']:.1f} | {f['intensity']:.1f} | {f['regime']} |")
     lines += ["", "The floor uses, for each matrix shape and row count, the product measured fastest on this machine "
-              "(engine/kernels/choice.py; the engine uses the same choice). Each candidate's time for every matrix of the "
-              f"shape (all layers; past {kernels.STREAMED} rows a share of them, scaled), median of {kernels.REPEATS}, "
-              "ms; the chosen one in bold (measured again on every run, a choice "
+              "(engine/kernels/choice.py; the engine uses the same choice). Each candidate's time for every matrix of "
+              f"the shape (all layers; past {kernels.STREAMED} rows a share of them, scaled), median of "
+              f"{kernels.REPEATS}, ms; the chosen one in bold (measured again on every run, a choice "
               f"changes only for a candidate faster by more than {kernels.MARGIN:.0%}):", "",
               "| shape (in x out) | rows | " + " | ".join(kernels.PRODUCTS) + " |",
               "|---|---|" + "---|" * len(kernels.PRODUCTS)]
@@ -63,7 +83,7 @@ def render(h: dict) -> str:
               "above it. On a CPU the ridge is low, and small matrix products run well below the peak rate, so the "
               "measured step grows long before the roofline says it should (the `x the B=1 step` column): "
               "batching stops being free after a few rows. On a GPU decode stays memory-bound to large batches.", "",
-              *render_split(h)]
+              *render_split(h), *render_kernel_table(h["kernel_table"])]
     lines += ["## Seats that fit: KV memory per seat against a budget (computed)", "",
               f"Budget: 80% of {h['memory_bytes'] / 2**30:.0f} GiB less the weights = "
               f"{h['kv_budget_bytes'] / 2**30:.1f} GiB.", "",

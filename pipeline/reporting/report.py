@@ -4,9 +4,7 @@ import json
 from pathlib import Path
 
 from engine.config import group_entry
-from pipeline.measuring import accuracy
-from pipeline.measuring.equivalence import NEAR_TIE
-from pipeline.measuring.metrics import SLO_SHARE, meets_slo
+from pipeline.measuring.metrics import meets_slo
 from pipeline.reporting import tables
 
 
@@ -92,13 +90,14 @@ def machine_dependence(hw: dict | None) -> str:
             f"B = {knee} (HARDWARE.md); a CPU with twice the bandwidth or wider vector units moves both.")
 
 
-def capacity_answer(rows: list[dict], hw: dict | None) -> str:
-    """Seed 000's question: capacity at the SLO, the batch size to pick, and what stops a bigger batch."""
-    ok = [r for r in rows if meets_slo(r)]
+def capacity_answer(rows: list[dict], hw: dict | None, share: float) -> str:
+    """Seed 000's question: capacity at the SLO (met by `share` of a run's requests), the batch size to pick, and
+    what stops a bigger batch."""
+    ok = [r for r in rows if meets_slo(r, share)]
     lines = []
     if ok:
         best = max(ok, key=lambda r: r["throughput_tps"])
-        lines.append(f"- **Capacity at the SLO** ({SLO_SHARE:.0%} of requests within TTFT ≤ {best['ttft_limit_s']:.2f} "
+        lines.append(f"- **Capacity at the SLO** ({share:.0%} of requests within TTFT ≤ {best['ttft_limit_s']:.2f} "
                      f"s and TPOT ≤ {best['tpot_limit_s'] * 1e3:.0f} ms): {best['throughput_tps']:.1f} tok/s, by "
                      f"`{best['point']}` in table {best['table']} (measured).")
     else:
@@ -173,7 +172,7 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                              f"precision {eq.get('precision', 'fp32')}: requests whose tokens equal Hugging Face "
                              "`generate` run alone, per policy (measured)" + (
                                  "" if rule == "token-equal" else ", or diverge from them only at a near-tie of "
-                                 f"generate's own logits (within {NEAR_TIE:g})") + "."
+                                 f"generate's own logits (within {eq['near_tie']:g})") + "."
                              + inputs.note(reports / "equivalence.json"),
                              tables.markdown(["policy", rule],
                                              [[p, f"{n}/{eq['requests']}"] for p, n in eq["matches"].items()])))
@@ -184,11 +183,11 @@ def build(cfg, root: Path) -> tuple[str, dict]:
         parts.append(section("Precision: what each level costs in accuracy", "Each level's logits against fp32's, "
                              "teacher-forced on a token stream of the project's prompts continued greedily by fp32 "
                              f"({prec['positions']} positions), in fp64: KL divergence, top-1 agreement (and without "
-                             f"near-ties: the reference's top two within {accuracy.TIE:g} in log-probability), "
+                             f"near-ties: the reference's top two within {prec['near_tie']:g} in log-probability), "
                              "perplexity change; free-running, whole greedy requests equal to fp32's. The noise floor "
                              "first: fp32 against itself through another product (and free-running, one request at a "
-                             f"time against all at once); lossless = within {accuracy.LOSSLESS_KLD:g}x the floor's KLD "
-                             f"and {accuracy.LOSSLESS_TOP1:.1%} top-1 without near-ties (measured)."
+                             f"time against all at once); lossless = within {prec['lossless_kld']:g}x the floor's KLD "
+                             f"and {prec['lossless_top1']:.1%} top-1 without near-ties (measured)."
                              + inputs.note(reports / "precision.json"), body))
         metrics.update(m)
     speed = read(reports / "engine_speed.json")
@@ -272,7 +271,8 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                              + inputs.note(results / "server" / "servers.json"),
                              score.read_text().split("\n", 2)[-1]))
     all_rows = [r for rows in results_by_table.values() for r in rows]
-    parts.append(section("Capacity, batch size and what stops you (seed 000)", "", capacity_answer(all_rows, hw)))
+    parts.append(section("Capacity, batch size and what stops you (seed 000)", "",
+                         capacity_answer(all_rows, hw, float(cfg.slo.share))))
     timed = {**results_by_table, "engine_speed": speed["rows"] if speed else [],
              "servers": servers["rows"] if servers else []}
     account, m = disturbance(timed)

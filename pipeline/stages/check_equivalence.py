@@ -3,7 +3,7 @@
 import sys
 
 from engine.config import ROOT, engine_weights, load_configured_model
-from pipeline.measuring.equivalence import LENS, NEAR_TIE, check
+from pipeline.measuring.equivalence import LENS, check
 from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
 from pipeline.results import write_json
@@ -15,9 +15,11 @@ if __name__ == "__main__":
         model, tok = load_configured_model(cfg)
         p = cfg.precision
         rule = "token-equal" if p.weights == "model" and not p.lossy else "up to near-ties"
-        matches = check(model, tok, engine_weights(cfg), None if rule == "token-equal" else NEAR_TIE)
+        tie = None if rule == "token-equal" else float(cfg.bench.precision.near_tie)
+        matches = check(model, tok, engine_weights(cfg), tie)
         write_json(ROOT / "reports" / "equivalence.json", {"model": cfg.model.name, "precision": p.name,
-                                                           "rule": rule, "matches": matches, "requests": len(LENS),
+                                                           "rule": rule, "near_tie": tie, "matches": matches,
+                                                           "requests": len(LENS),
                                                            "machine": environment(cfg.threads, cfg.precision.device)})
         failed = not p.lossy and any(v != len(LENS) for v in matches.values())
     sys.exit(1 if failed else 0)

@@ -1,10 +1,11 @@
 """Stage check_precision: each precision level's accuracy against fp32, the noise floor first
 (reports/precision.json: {"levels": {level: figures}, "noise_floor": figures, ...})."""
-from engine.config import ROOT, compose_config, engine_weights, load_configured_model
+from engine.config import ROOT, compose_config, load_configured_model
 from engine.kernels.choice import candidates
 from engine.model.forward import FlatModel
 from pipeline.measuring import accuracy
 from pipeline.measuring.fingerprint import environment
+from pipeline.measuring.levels import level_nets
 from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.timings import timed_stage
@@ -19,18 +20,12 @@ if __name__ == "__main__":
         seqs = accuracy.token_stream(ref, tok, model.config.vocab_size, int(p.sequences), int(p.tokens), int(cfg.seed))
         big = {k["choice"][-1] for k in ref.kernels.values()}  # the products a teacher-forced pass uses
         other = next((c for c in candidates(ref.device, ref.dtype) if c not in big), "linear")
-        levels, skipped = {}, {}
-        for name in p.levels:
-            try:
-                levels[name] = FlatModel(model, **engine_weights(compose_config([f"model={cfg.model.name}",
-                                                                                 f"precision={name}"])))
-            except ValueError as exc:  # a level this model or machine cannot run: said, not measured
-                skipped[name] = str(exc)
-                print(f"{name}: not measured: {exc}", flush=True)
+        built, skipped, _ = level_nets(cfg, p.levels, {(base.precision.dtype, base.precision.device): (model, tok)})
+        levels = {name: net for name, (net, _, _) in built.items()}
         floor_names = ["fp32, other product"]  # the floor on a share of the stream
         share = {floor_names[0]: max(int(p.batch), len(seqs) // int(p.floor_share))}
         pooled = accuracy.teacher_forced(ref, {floor_names[0]: FlatModel(model, kernel=other), **levels}, seqs,
-                                         int(p.batch), share)
+                                         int(p.batch), float(p.near_tie), share)
         figures = {name: accuracy.summary(c) for name, c in pooled.items()}
         floor = figures[floor_names[0]]
         prompts = [s[:len(s) // 4] for s in seqs[:int(p.greedy_requests)]]
@@ -39,11 +34,12 @@ if __name__ == "__main__":
         out = {"reference": "fp32", "positions": max(f["positions"] for f in figures.values()),
                "noise_floor": {**floor, **accuracy.greedy_agreement(fp32_out[:len(alone)], alone),
                                "comparisons": {n: figures[n] for n in floor_names}, "other_product": other},
-               "levels": {}, "skipped": skipped, "machine": environment(cfg.threads, cfg.precision.device)}
+               "levels": {}, "skipped": skipped, "near_tie": float(p.near_tie), "lossless_kld": float(p.lossless_kld),
+               "lossless_top1": float(p.lossless_top1), "machine": environment(cfg.threads, cfg.precision.device)}
         for name, net in levels.items():
             level = {**figures[name], **accuracy.greedy_agreement(fp32_out, accuracy.greedy(net, prompts,
                                                                                           int(p.greedy_tokens)))}
-            level["lossless"], level["arithmetic"] = accuracy.lossless(level, floor), net.arithmetic
+            level["lossless"], level["arithmetic"] = accuracy.lossless(level, floor, p), net.arithmetic
             out["levels"][name] = level
             print(name, {k: v for k, v in level.items() if k != "first_divergences"}, flush=True)
         write_json(ROOT / "reports" / "precision.json", out)

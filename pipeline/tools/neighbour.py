@@ -13,6 +13,7 @@ from engine.config import ROOT, engine_weights, load_configured_model
 from engine.model.forward import FlatModel
 from pipeline.measuring.disturbance import Watch
 from pipeline.measuring.fingerprint import environment
+from pipeline.measuring.servers import running
 from pipeline.measuring.timing import engine_run
 from pipeline.params import load
 from pipeline.results import write_json
@@ -32,8 +33,8 @@ def decode_tps(net, prompts, repeats: int = 3) -> float:
 
 
 def spin() -> subprocess.Popen:
-    """One busy process at normal priority: a Python loop that never sleeps."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    """One busy process at normal priority: a Python loop that never sleeps (it dies with this one)."""
+    return running([sys.executable, "-c", "while True: pass"])
 
 
 def main(cfg) -> dict:
@@ -47,7 +48,7 @@ def main(cfg) -> dict:
                                   ("quiet again", False, True)):
         proc = spin() if busy else None
         time.sleep(1.0 if busy else 0.0)  # the neighbour settles on a core
-        threads.govern(int(cfg.threads)) if governed else threads.stop(int(cfg.threads))
+        threads.govern(int(cfg.threads), cfg.measure) if governed else threads.stop(int(cfg.threads))
         try:
             for b in BATCHES:
                 with Watch(cfg.measure) as w:

@@ -23,7 +23,7 @@ from engine.machine import cpu_units
 from engine.model.loader import gguf_path
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.fingerprint import environment
-from pipeline.measuring.servers import free_port, measure, start, stop, wait_ready
+from pipeline.measuring.servers import dies_with_parent, free_port, measure, running, start, stop, wait_ready
 from pipeline.params import load
 from pipeline.reporting.tables import accuracy_of, fmt
 from pipeline.results import write_json, write_text
@@ -58,7 +58,7 @@ def build(version: str, peers: Path = PEERS, flags: list[str] | None = None) -> 
     sdist = peers / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.exists():
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={version}", "-d", str(peers)], check=True)
+                        f"llama-cpp-python=={version}", "-d", str(peers)], check=True, preexec_fn=dies_with_parent())
     prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix) and len(m.name) > len(prefix)]
@@ -66,9 +66,10 @@ def build(version: str, peers: Path = PEERS, flags: list[str] | None = None) -> 
             m.name = m.name[len(prefix):]
         tar.extractall(src, members, filter="data")
     print(f"building llama-server from llama-cpp-python {version} (minutes)", flush=True)
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), *flags], check=True)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), *flags], check=True,
+                   preexec_fn=dies_with_parent())
     subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server", "-j", str(os.cpu_count())],
-                   check=True)
+                   check=True, preexec_fn=dies_with_parent())
     marker.write_text(wanted + "\n")
     return binary, flags
 
@@ -78,8 +79,7 @@ def serve(binary: Path, gguf: Path, p, threads: int, port: int) -> tuple[subproc
     args = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(p.slots),
             "-c", str(p.slots * p.ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
             "--no-cache-prompt", "--no-webui", "--alias", "peer"]
-    proc = wait_ready(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port,
-                      "llama-server")
+    proc = wait_ready(running(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port, "llama-server")
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=120)
     if r.status_code != 200 or proc.poll() is not None:
         stop(proc)

@@ -1,24 +1,20 @@
-// Products with bf16 weights for the fused kernels (torch.ops.lab.bf16_*; schemas in engine/kernels/csrc/native.cpp): x rounded to
+// Products with bf16 weights for the fused kernels (torch.ops.lab.bf16_*, registered in ops.cpp): x rounded to
 // bf16 (nearest even), bf16 x bf16 products summed in fp32 (AVX512-BF16's dot products of pairs), fp32 out. The
 // weight is packed once in tiles of 16 output rows, each pair of a row's inputs side by side (a vector holds one pair
-// of 16 rows), so that a lane is an output and no sum crosses lanes. Where the CPU has no AVX512-BF16 (bf16_native()
-// false) the engine runs torch's bf16 product instead (engine/model/quantized.py).
+// of 16 rows), so that a lane is an output and no sum crosses lanes. Where the build (AVX2, scalar) or the CPU has no
+// AVX512-BF16 (bf16_native() false) the engine runs torch's bf16 product instead (engine/model/linear.py).
 #include "native.h"
+#include "ops.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define LAB_BF16 1  // the kernel is compiled for AVX512-BF16 (target attribute) and run where the CPU has it
-#endif
 
-constexpr int64_t ROWS = 16;  // output rows per tile
 constexpr int64_t TILES = 3;  // tiles per kernel call (x RB rows: 24 sums in registers; 576 or 960 outputs split
                               // evenly over 2 threads, 64 rows into 8 calls)
 constexpr int64_t RB = 8;     // rows of x per kernel call
 
-// Whether this CPU multiplies bf16 pairs in hardware (AVX512-BF16).
+// Whether this build multiplies bf16 pairs (AVX-512's: LAB_BF16) and this CPU has the instructions (AVX512-BF16).
 bool bf16_native() {
 #if defined(LAB_BF16)
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
@@ -31,14 +27,14 @@ bool bf16_native() {
 // w [N, K] float -> bf16 [ceil(N/16) * K * 16]: tile i, pair j holds rows 16i..16i+15's inputs 2j, 2j+1 interleaved.
 at::Tensor bf16_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.size(1) % 2 == 0, "bf16_pack: w [N, K] with K even is needed");
-  const int64_t N = w.size(0), K = w.size(1), tiles = (N + ROWS - 1) / ROWS;
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + TILE - 1) / TILE;
   const at::Tensor src = w.to(at::kFloat).contiguous();
-  at::Tensor out = at::zeros({tiles * ROWS * K}, src.options().dtype(at::kBFloat16));
+  at::Tensor out = at::zeros({tiles * TILE * K}, src.options().dtype(at::kBFloat16));
   const float* s = src.data_ptr<float>();
   auto* o = out.data_ptr<at::BFloat16>();
   for (int64_t n = 0; n < N; ++n)
     for (int64_t k = 0; k < K; ++k)
-      o[(n / ROWS) * ROWS * K + (k / 2) * ROWS * 2 + (n % ROWS) * 2 + k % 2] = at::BFloat16(s[n * K + k]);
+      o[(n / TILE) * TILE * K + (k / 2) * TILE * 2 + (n % TILE) * 2 + k % 2] = at::BFloat16(s[n * K + k]);
   return out;
 }
 
@@ -46,44 +42,37 @@ at::Tensor bf16_pack(const at::Tensor& w) {
 // R rows of xb (bf16, K each, `xs` apart) against `nt` tiles starting at w: out rows (`os` apart) at column c0;
 // meanwhile the `lines` cache lines from pf are asked into L2, spread over the loop.
 template <int R, int NT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void tile_kernel(
-    const uint16_t* xb, int64_t xs, const uint16_t* w, int64_t K, float* out, int64_t os, int64_t c0, int64_t N,
-    const float* bias, const float* res, int64_t rs, const char* pf, int64_t lines) {
-  __m512 acc[R][NT];
+BF16_TARGET static void tile_kernel(const uint16_t* xb, int64_t xs, const uint16_t* w, int64_t K, float* out,
+                                    int64_t os, int64_t c0, int64_t N, const float* bias, const float* res, int64_t rs,
+                                    const char* pf, int64_t lines) {
+  F acc[R][NT];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  const int64_t ts = ROWS * K, per = (lines + K / 2 - 1) / (K / 2);  // elements per tile; lines per pair of inputs
+    for (int t = 0; t < NT; ++t) acc[r][t] = zero();
+  const int64_t ts = TILE * K, per = (lines + K / 2 - 1) / (K / 2);  // elements per tile; lines per pair of inputs
   for (int64_t j = 0; j < K / 2; ++j) {
-    for (int64_t i = j * per; i < std::min(lines, j * per + per); ++i) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
-    __m512bh wv[NT];
-    for (int t = 0; t < NT; ++t)
-      wv[t] = (__m512bh)_mm512_loadu_si512(w + t * ts + j * ROWS * 2);
+    for (int64_t i = j * per; i < std::min(lines, j * per + per); ++i) __builtin_prefetch(pf + 64 * i, 0, 2);
+    Pairs wv[NT];
+    for (int t = 0; t < NT; ++t) wv[t] = pairs(w + t * ts + j * TILE * 2);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * xs + 2 * j));
-      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv, wv[t]);
+      const Pairs xv = pair(xb + r * xs + 2 * j);
+      for (int t = 0; t < NT; ++t) acc[r][t] = dot_pairs(acc[r][t], xv, wv[t]);
     }
   }
   for (int t = 0; t < NT; ++t) {
-    const int64_t c = c0 + t * ROWS, n = std::min<int64_t>(ROWS, N - c);
+    const int64_t c = c0 + t * TILE, n = std::min<int64_t>(TILE, N - c);
     if (n <= 0) break;
-    const __mmask16 m = n == ROWS ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + c) : _mm512_setzero_ps();
+    const F b = bias ? load_first(bias + c, n) : zero();
     for (int r = 0; r < R; ++r) {
-      __m512 y = _mm512_add_ps(acc[r][t], b);
-      if (res) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, res + r * rs + c));
-      _mm512_mask_storeu_ps(out + r * os + c, m, y);
+      F y = add(acc[r][t], b);
+      if (res) y = add(y, load_first(res + r * rs + c, n));
+      store_first(y, out + r * os + c, n);
     }
   }
 }
 
 // K floats at x -> K bf16 at o, nearest even (inputs below 2^-126 count as zeros).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void to_bf16(const float* x, uint16_t* o,
-                                                                            int64_t K) {
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 m = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + k));
-    _mm256_mask_storeu_epi16(o + k, m, reinterpret_cast<const __m256i&>(h));
-  }
+BF16_TARGET static void to_bf16(const float* x, uint16_t* o, int64_t K) {
+  for (int64_t k = 0; k < K; k += TILE) round_first(x + k, o + k, K - k);
 }
 
 using Kernel = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t,
@@ -122,7 +111,7 @@ static at::Tensor bf16_rows(const at::Tensor& like, int64_t T, int64_t N, const 
 at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check(x, "x");
   check(w, "w");
-  TORCH_CHECK(bf16_native(), "bf16_rms_norm: this CPU has no AVX512-BF16");
+  TORCH_CHECK(bf16_native(), "bf16_rms_norm: this build or CPU has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "bf16_rms_norm: x [T, N] and w [N] are needed");
 #if defined(LAB_BF16)
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
@@ -139,7 +128,7 @@ at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // gu [T, 2I] -> silu_mul's result rounded to bf16, in one pass.
 at::Tensor bf16_silu_mul(const at::Tensor& gu) {
   check(gu, "gu");
-  TORCH_CHECK(bf16_native(), "bf16_silu_mul: this CPU has no AVX512-BF16");
+  TORCH_CHECK(bf16_native(), "bf16_silu_mul: this build or CPU has no AVX512-BF16");
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "bf16_silu_mul: gu [T, 2I] is needed");
 #if defined(LAB_BF16)
   const float* gp = gu.data_ptr<float>();
@@ -163,10 +152,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
   } else {
     check(x, "x");
   }
-  TORCH_CHECK(bf16_native(), "bf16_linear: this CPU has no AVX512-BF16");
+  TORCH_CHECK(bf16_native(), "bf16_linear: this build or CPU has no AVX512-BF16");
 #if defined(LAB_BF16)
-  const int64_t T = x.size(0), K = x.size(1), tiles = (n + ROWS - 1) / ROWS;
-  TORCH_CHECK(x.dim() == 2 && K % 2 == 0 && w.scalar_type() == at::kBFloat16 && w.numel() == tiles * ROWS * K,
+  const int64_t T = x.size(0), K = x.size(1), tiles = (n + TILE - 1) / TILE;
+  TORCH_CHECK(x.dim() == 2 && K % 2 == 0 && w.scalar_type() == at::kBFloat16 && w.numel() == tiles * TILE * K,
               "bf16_linear: x [T, K] and w packed by bf16_pack for [n, K] are needed");
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat, "bias [n]");
   if (residual) check(*residual, "residual");
@@ -189,15 +178,15 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
       const int64_t t0 = g * TILES, nt = std::min(TILES, tiles - t0);
       // The thread's next group of tiles is asked from memory into L2 while this one computes, a share in each row
       // block after the first (the only one: in it): no block then waits on memory for its weights.
-      const int64_t next = g + 1 < end ? std::min(TILES, tiles - t0 - TILES) * ROWS * K * 2 / 64 : 0;  // lines
+      const int64_t next = g + 1 < end ? std::min(TILES, tiles - t0 - TILES) * TILE * K * 2 / 64 : 0;  // lines
       const int64_t share = (next + helpers - 1) / helpers;
-      const char* pf = reinterpret_cast<const char*>(wp + (t0 + TILES) * ROWS * K);
+      const char* pf = reinterpret_cast<const char*>(wp + (t0 + TILES) * TILE * K);
       for (int64_t r = 0, b = 0; r < T; r += RB, ++b) {
         const int64_t rows = std::min(RB, T - r), k = blocks > 1 ? b - 1 : b;  // k: this block's share
         const int64_t lines = k < 0 ? 0 : std::max<int64_t>(0, std::min(share, next - k * share));
         const Kernel f = nt == TILES ? kernel_for<TILES>(rows)
                                                                 : nt == 2 ? kernel_for<2>(rows) : kernel_for<1>(rows);
-        f(xp + r * K, K, wp + t0 * ROWS * K, K, op + r * n, n, t0 * ROWS, n, bp, rp ? rp + r * rs : nullptr, rs,
+        f(xp + r * K, K, wp + t0 * TILE * K, K, op + r * n, n, t0 * TILE, n, bp, rp ? rp + r * rs : nullptr, rs,
           pf + 64 * std::max<int64_t>(0, k) * share, lines);
       }
     }
@@ -206,15 +195,4 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
 #else
   return at::Tensor();
 #endif
-}
-
-TORCH_LIBRARY_IMPL(lab, CPU, m) {
-  m.impl("bf16_pack", bf16_pack);
-  m.impl("bf16_linear", bf16_linear);
-  m.impl("bf16_rms_norm", bf16_rms_norm);
-  m.impl("bf16_silu_mul", bf16_silu_mul);
-}
-
-TORCH_LIBRARY_FRAGMENT(lab, m) {
-  m.def("bf16_native() -> bool", []() { return bf16_native(); });
 }

@@ -1,12 +1,10 @@
 // Attention for the fused kernels (torch.ops.lab.decode_attention, rotary_decode_attention and token_attention;
-// schemas in engine/kernels/csrc/native.cpp): each (query token, kv head) reads its keys once for all query heads of its GQA group,
+// registered in ops.cpp): each (query token, kv head) reads its keys once for all query heads of its GQA group,
 // masked keys never read, the next group's keys and values prefetched meanwhile. The cache holds fp32 or bf16 (read
 // as fp32: exact); q, the scores, the softmax and the output are fp32; the softmax's division is applied once to each
 // output row.
 #include "native.h"
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
+#include "ops.h"
 
 // W cache values from p as fp32.
 static inline Vec load(const float* p) { return Vec::loadu(p); }
@@ -493,10 +491,4 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
     };
     return attend<T>(q, q.size(0), q.size(1), q.size(2), KV, most, scale, keys, queries_of(q, q.size(1) / KV));
   });
-}
-
-TORCH_LIBRARY_IMPL(lab, CPU, m) {
-  m.impl("decode_attention", decode_attention);
-  m.impl("token_attention", token_attention);
-  m.impl("rotary_decode_attention", rotary_decode_attention);
 }

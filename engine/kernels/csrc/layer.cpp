@@ -1,36 +1,19 @@
-// Every decoder layer of a step in one call (torch.ops.lab.layers; schema in engine/kernels/csrc/native.cpp), each layer: norm, qkv
+// Every decoder layer of a step in one call (torch.ops.lab.layers, registered in ops.cpp), each layer: norm, qkv
 // product, rotary, KV writes, attention, o product (+ residual), norm, gate/up product, SiLU x up, down product
 // (+ residual), each step the same operator the Python layer loop calls (a decode's rotary, K/V writes and attention
 // fused in one, rotary_decode_attention, with the values of the three), so the results are the same bits; only the
-// per-operator Python dispatch is gone. Each product is named by its kind (Product, in the order of engine/model/forward.py's
-// NATIVE_PRODUCTS). Each step is recorded under its operator's name for the profiler (probe_hardware's split).
+// per-operator Python dispatch is gone. Each product is named by its kind (Product, products.h). Each step is
+// recorded under its operator's name for the profiler (probe_hardware's split).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/record_function.h>
 
 #include "native.h"
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor silu_mul(const at::Tensor& gu);
-void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin);
-void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src);
-at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
-                           const std::optional<at::Tensor>& rows, double scale);
-at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
-                                   const std::optional<at::Tensor>& bias, int64_t length, int64_t heads,
-                                   double scale);
-using Opt = std::optional<at::Tensor>;
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
-at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
-at::Tensor bf16_silu_mul(const at::Tensor& gu);
+#include "ops.h"
+#include "products.h"
 
 #define NAMED(name) RECORD_FUNCTION("lab::" name, std::vector<c10::IValue>())  // a span the profiler sees
-
-enum Product : int64_t { IN_OUT, LINEAR, PACKED, ONEDNN, Q4_1, Q8_0, BF16 };
 
 // An operator registered elsewhere (MKL's, oneDNN's), called with its arguments boxed.
 static at::Tensor call(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
@@ -151,6 +134,3 @@ at::Tensor layers(const at::Tensor& x, const std::vector<Opt>& weights, at::IntA
               v_caches[i], rows, spans, key_rows, bias, seats, length, heads, eps, scale);
   return h;
 }
-
-TORCH_LIBRARY_IMPL(lab, CPU, m) { m.impl("layers", layers); }
-TORCH_LIBRARY_IMPL(lab, MkldnnCPU, m) { m.impl("layers", layers); }  // weights in oneDNN's layout select this key

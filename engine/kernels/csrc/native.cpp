@@ -1,8 +1,8 @@
-// Fused fp32 CPU kernels for the steps' small operators, registered as torch.ops.lab.* (built by engine/kernels/build.py
-// with engine/kernels/csrc/decode_attention.cpp). Each replaces several ATen calls (and their temporaries) with one pass over the
-// data, vectorized with ATen's Vectorized<float> (AVX-512, AVX2 or scalar, as built), parallel over rows (native.h's
-// parallel).
+// Fused fp32 CPU kernels for the steps' small operators (torch.ops.lab.*, registered in ops.cpp). Each replaces
+// several ATen calls (and their temporaries) with one pass over the data, vectorized with ATen's Vectorized<float>
+// (AVX-512, AVX2 or scalar, as built), parallel over rows (native.h's parallel).
 #include "native.h"
+#include "ops.h"
 
 // x [T, N] (rows may be strided), w [N] -> x * rsqrt(mean(x^2) + eps) * w, [T, N] contiguous
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -114,36 +114,4 @@ at::Tensor first_argmax(const at::Tensor& x) {
     }
   });
   return out;
-}
-
-TORCH_LIBRARY(lab, m) {
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.def("first_argmax(Tensor x) -> Tensor");
-  m.def("silu_mul(Tensor gu) -> Tensor");
-  m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
-  m.def("write_rows_(Tensor(a!) dst, Tensor rows, Tensor src) -> ()");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
-  m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
-  m.def("rotary_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor rows, Tensor? bias, int length, int heads, float scale) -> Tensor");
-  m.def("q4_1_pack(Tensor blocks) -> Tensor");  // Q4_1 and Q8_0 products: engine/kernels/csrc/quant.cpp
-  m.def("q8_0_pack(Tensor blocks) -> Tensor");
-  m.def("q4_1_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("q8_0_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
-  m.def("bf16_pack(Tensor w) -> Tensor");  // bf16 products: engine/kernels/csrc/bf16.cpp
-  m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");  // rms_norm and silu_mul rounded to bf16
-  m.def("bf16_silu_mul(Tensor gu) -> Tensor");
-  m.def("layers(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "  // layer.cpp
-        "Tensor(b!)[] v_caches, Tensor rows, Tensor? spans, Tensor? key_rows, Tensor? bias, int seats, int length, "
-        "int heads, float eps, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(lab, CPU, m) {  // the attention kernels are registered in engine/kernels/csrc/decode_attention.cpp
-  m.impl("rms_norm", rms_norm);
-  m.impl("first_argmax", first_argmax);
-  m.impl("silu_mul", silu_mul);
-  m.impl("rotary_", rotary_);
-  m.impl("write_rows_", write_rows_);
 }

@@ -1,4 +1,4 @@
-// What the fused kernels' sources share (engine/*.cpp): ATen's vector type and width, the size below which a loop
+// What the kernels' sources share: the vector layer (vec.h), ATen's vector type and width, the size below which a loop
 // stays on one thread, the parallel split, the argument check, dot and axpy.
 #pragma once
 #include <ATen/Parallel.h>
@@ -15,6 +15,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "vec.h"
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();

@@ -1,5 +1,5 @@
-// Products with 4- and 8-bit GGUF weights (Q4_1, Q8_0) for the fused kernels (torch.ops.lab.*; schemas in
-// engine/kernels/csrc/native.cpp): the weights repacked once in tiles of 16 rows, each block's rows side by side, so that a vector
+// Products with 4- and 8-bit GGUF weights (Q4_1, Q8_0) for the fused kernels (torch.ops.lab.*, registered in
+// ops.cpp): the weights repacked once in tiles of 16 rows, each block's rows side by side, so that a vector
 // holds one weight of 16 output rows and no sum ever crosses lanes. fp32 throughout: each block adds
 // d * sum(x * q) (+ m * sum(x)) to a row's sum, its codes' sum taken in one fixed order, so that a result row is the
 // same bits whatever the number of rows T beside it. Each thread reads its tiles once for all T rows of x.
@@ -8,7 +8,8 @@
 // bytes, the codes' sums exact in integers (byte dot products), then d * 2^-e * sum + m * sum(x) in fp32 as above.
 #include <cstring>
 
-#include "quant.h"
+#include "native.h"
+#include "ops.h"
 
 constexpr int64_t QK = 32;    // weights per block
 
@@ -166,14 +167,12 @@ constexpr int RI = 2;  // and rows of x in one integer kernel at most: 2 rows x 
                        // each broadcast byte of x used by two tiles (4 rows, one tile: 5-15% slower at many rows)
 
 #if defined(LAB_VNNI)
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
 // Block xb (32 floats) of x -> its LIMBS x 32 bytes (x * 2^e rounded to the nearest integer X, |X| < 2^30, as
 // X = b0 + 2^8 b1 + 2^16 b2 + 2^24 b3, each b a signed byte) at q; returns 2^-e, NaN where x is not finite. e is at
 // most 126 (2^-e stays a normal float): a block whose largest |x| is below 2^-96 keeps fewer bits.
 VNNI_TARGET static float fixed_point(const float* xb, int8_t* q) {
-  const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-  const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+  const F v[2] = {floats(xb), floats(xb + 16)};
+  const float mx = max_abs(v[0], v[1]);
   if (!std::isfinite(mx)) {
     std::memset(q, 0, LIMBS * QK);
     return std::numeric_limits<float>::quiet_NaN();
@@ -182,11 +181,11 @@ VNNI_TARGET static float fixed_point(const float* xb, int8_t* q) {
   std::frexp(mx, &E);  // mx < 2^E
   const int e = std::min(30 - E, 126);
   for (int h = 0; h < 2; ++h) {
-    __m512i X = _mm512_cvtps_epi32(_mm512_scalef_ps(v[h], _mm512_set1_ps(e)));  // nearest, ties to even
+    I X = scaled_int(v[h], e);
     for (int l = 0; l < LIMBS; ++l) {
-      const __m512i b = l + 1 < LIMBS ? _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24) : X;  // low byte, signed
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + l * QK + 16 * h), _mm512_cvtepi32_epi8(b));
-      X = _mm512_srai_epi32(_mm512_sub_epi32(X, b), 8);
+      const I b = l + 1 < LIMBS ? low_byte(X) : X;
+      store_bytes(b, q + l * QK + 16 * h);
+      X = above_byte(X, b);
     }
   }
   return std::ldexp(1.f, -e);
@@ -199,39 +198,28 @@ template <int NT, int R>
 VNNI_TARGET static void int_tiles(const Operands& a, const uint8_t* w, int64_t ts, int64_t i, int64_t t0) {
   F acc[NT][R];
   UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) acc[t][r] = zero();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   const uint8_t* p[NT];
   for (int64_t b = 0; b < a.Kb; ++b) {
     UNROLL for (int t = 0; t < NT; ++t) {
       p[t] = w + t * ts + b * TILE * Q4_1::B;
       for (int64_t l = 0; l < TILE * Q4_1::B; l += 64) __builtin_prefetch(p[t] + NT * ts + l, 0, 2);
     }
-    __m512i s[NT][R][LIMBS];
+    I s[NT][R][LIMBS];
     UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) UNROLL for (int l = 0; l < LIMBS; ++l)
-      s[t][r][l] = _mm512_setzero_si512();
+      s[t][r][l] = izero();
     UNROLL for (int j = 0; j < 4; ++j) {  // code bytes 4j to 4j + 3 of each row: weights 4j.. (low), 16 + 4j.. (high)
-      __m512i lo[NT], hi[NT];
-      UNROLL for (int t = 0; t < NT; ++t) {
-        const __m512i c = _mm512_loadu_si512(p[t] + in_tile(TILE, 4 + 4 * j, 4, 0));
-        lo[t] = _mm512_and_si512(c, low);
-        hi[t] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
-      }
+      Codes c[NT];
+      UNROLL for (int t = 0; t < NT; ++t) c[t] = codes(p[t] + in_tile(TILE, 4 + 4 * j, 4, 0));
       UNROLL for (int r = 0; r < R; ++r) UNROLL for (int l = 0; l < LIMBS; ++l) {
         const int8_t* xl = a.xq + ((t0 + r) * a.Kb + b) * LIMBS * QK + l * QK;
-        int32_t xlo, xhi;
-        std::memcpy(&xlo, xl + 4 * j, 4);
-        std::memcpy(&xhi, xl + 16 + 4 * j, 4);
-        const __m512i bl = _mm512_set1_epi32(xlo), bh = _mm512_set1_epi32(xhi);
-        UNROLL for (int t = 0; t < NT; ++t)
-          s[t][r][l] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[t][r][l], lo[t], bl), hi[t], bh);
+        const I bl = four(xl + 4 * j), bh = four(xl + 16 + 4 * j);
+        UNROLL for (int t = 0; t < NT; ++t) s[t][r][l] = dot4(dot4(s[t][r][l], c[t].lo, bl), c[t].hi, bh);
       }
     }
     UNROLL for (int t = 0; t < NT; ++t) {
       const F d = halves(p[t]), m = halves(p[t] + in_tile(TILE, 2, 2, 0));
       UNROLL for (int r = 0; r < R; ++r) {
-        const __m512i s01 = _mm512_add_epi32(s[t][r][0], _mm512_slli_epi32(s[t][r][1], 8));
-        const __m512i s23 = _mm512_add_epi32(s[t][r][2], _mm512_slli_epi32(s[t][r][3], 8));
-        const F sum = {_mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_set1_ps(0x1p16f), _mm512_cvtepi32_ps(s01))};
+        const F sum = limbs(s[t][r]);
         const int64_t xb = (t0 + r) * a.Kb + b;
         acc[t][r] = fma(a.xsum[xb], m, fma(mul(d, a.xe[xb]), sum, acc[t][r]));
       }
@@ -248,12 +236,12 @@ static Kernel int_kernel_for(int r, bool wide) {
 }
 
 // Whether Q4_1 runs the integer kernels: built for them and on a CPU with AVX512-VNNI.
-static bool fixed_point_q4() {
+bool q4_1_fixed_point() {
   static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
   return yes;
 }
 #else
-static bool fixed_point_q4() { return false; }
+bool q4_1_fixed_point() { return false; }
 #endif
 
 // The kernel for r rows of x: as many tiles as ACC allows (wide) or one.
@@ -282,7 +270,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == N,
                 "linear: residual [T, N] is needed");
   }
-  const bool ints = std::is_same_v<Q, Q4_1> && fixed_point_q4();
+  const bool ints = std::is_same_v<Q, Q4_1> && q4_1_fixed_point();
   const int rmax = ints ? RI : RMAX;  // rows of x per kernel at most
   at::Tensor out = at::empty({T, N}, x.options()), xs = at::empty({2, T, Kb}, x.options()),
              xk = at::empty({ints ? T * Kb * LIMBS * QK / 4 : T * K}, x.options());  // floats, or the bytes of ints
@@ -368,22 +356,11 @@ at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
   return out;
 }
 
-using Opt = std::optional<at::Tensor>;
+at::Tensor q4_1_pack(const at::Tensor& blocks) { return pack<Q4_1>(blocks); }
+at::Tensor q8_0_pack(const at::Tensor& blocks) { return pack<Q8_0>(blocks); }
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   return linear<Q4_1>(x, w, bias, residual);
 }
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   return linear<Q8_0>(x, w, bias, residual);
-}
-
-TORCH_LIBRARY_IMPL(lab, CPU, m) {
-  m.impl("q4_1_pack", pack<Q4_1>);
-  m.impl("q8_0_pack", pack<Q8_0>);
-  m.impl("q4_1_linear", q4_1_linear);
-  m.impl("q8_0_linear", q8_0_linear);
-  m.impl("q8_0_rows", q8_0_rows);
-}
-
-TORCH_LIBRARY_FRAGMENT(lab, m) {
-  m.def("q4_1_fixed_point() -> bool", []() { return fixed_point_q4(); });  // Q4_1's products in fixed point here
 }

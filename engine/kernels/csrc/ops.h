@@ -1,0 +1,44 @@
+// Every operator of torch.ops.lab, as its kernel file defines it (registered in ops.cpp), and what the build runs.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+using Opt = std::optional<at::Tensor>;
+
+// native.cpp: the steps' small fp32 operators
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& gu);
+void rotary_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& sin);
+void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src);
+at::Tensor first_argmax(const at::Tensor& x);
+
+// decode_attention.cpp
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Opt& bias,
+                            double scale);
+at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& rows,
+                                   const Opt& bias, int64_t length, int64_t heads, double scale);
+at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
+                           const Opt& rows, double scale);
+
+// quant.cpp: Q4_1 and Q8_0 products
+at::Tensor q4_1_pack(const at::Tensor& blocks);
+at::Tensor q8_0_pack(const at::Tensor& blocks);
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids);
+bool q4_1_fixed_point();  // Q4_1's products run in fixed point (built with LAB_VNNI, on a CPU with AVX512-VNNI)
+
+// bf16.cpp: bf16 products
+at::Tensor bf16_pack(const at::Tensor& w);
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
+at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor bf16_silu_mul(const at::Tensor& gu);
+bool bf16_native();  // the bf16 products run here (built for AVX-512, on a CPU with AVX512-BF16)
+
+// layer.cpp: every decoder layer of a step
+at::Tensor layers(const at::Tensor& x, const std::vector<Opt>& weights, at::IntArrayRef kinds, const at::Tensor& cos,
+                  const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& rows,
+                  const Opt& spans, const Opt& key_rows, const Opt& bias, int64_t seats, int64_t length, int64_t heads,
+                  double eps, double scale);

@@ -1,0 +1,15 @@
+// lab.layers' product kinds (engine/kernels/csrc/layer.cpp): the enum and its names, in the order of
+// engine/kernels/build.py's PRODUCTS (capabilities() reports the names; a test compares them).
+#pragma once
+#include <cstdint>
+
+#define LAB_PRODUCTS(X) X(IN_OUT, "in_out") X(LINEAR, "linear") X(PACKED, "packed") X(ONEDNN, "onednn") \
+  X(Q4_1, "q4_1") X(Q8_0, "q8_0") X(BF16, "bf16")
+
+#define LAB_ENUM(kind, name) kind,
+enum Product : int64_t { LAB_PRODUCTS(LAB_ENUM) };
+#undef LAB_ENUM
+
+#define LAB_NAME(kind, name) name,
+constexpr const char* PRODUCT_NAMES[] = {LAB_PRODUCTS(LAB_NAME)};
+#undef LAB_NAME

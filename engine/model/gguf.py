@@ -1,0 +1,49 @@
+"""A llama-family GGUF file's linear weights read as stored (engine/model/linear.py's GgufDense multiplies them):
+rows in Hugging Face's order (q and k rows un-permuted as transformers' GGUF loader does), q/k/v and gate/up
+concatenated as the engine's layers hold them (engine/model/weights.py)."""
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+GGUF_KINDS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}  # the block formats read
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order back to Hugging Face's: each head's rows (2, dim/2) interleaved -> (dim/2, 2)."""
+    dim = rows.shape[0] // heads // 2
+    return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def gguf_layers(path, config) -> tuple[dict, list[dict]]:
+    """({"embed": (blocks, fmt, in)}, per layer {"qkv"|"o"|"gate_up"|"down": (blocks [out, bytes], fmt, in)}) from a
+    GGUF file, rows in Hugging Face's order; fails naming any tensor stored in a format it does not read."""
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+
+    def read(name: str, heads: int | None = None):
+        if name not in tensors:
+            raise ValueError(f"the GGUF file has no tensor {name}")
+        t = tensors[name]
+        if t.tensor_type not in GGUF_KINDS:
+            raise ValueError(f"{name} is stored as {t.tensor_type.name}; precision=w4 reads "
+                             f"{[k.name for k in GGUF_KINDS]}")
+        blocks = np.asarray(t.data)
+        return (blocks if heads is None else _unpermute(blocks, heads)), GGUF_KINDS[t.tensor_type], int(t.shape[0])
+
+    def joined(*parts):
+        fmts = {p[1] for p in parts}
+        if len(fmts) != 1:
+            raise ValueError(f"weights concatenated into one product have different formats {sorted(fmts)}")
+        return np.concatenate([p[0] for p in parts]), parts[0][1], parts[0][2]
+
+    H, KV = config.num_attention_heads, config.num_key_value_heads
+    embed = read("token_embd.weight")
+    if "output.weight" in tensors:
+        raise ValueError("the GGUF file has an untied output head; precision=w4 reads tied embeddings only")
+    layers = []
+    for i in range(config.num_hidden_layers):
+        b = f"blk.{i}."
+        layers.append({"qkv": joined(read(b + "attn_q.weight", H), read(b + "attn_k.weight", KV),
+                                     read(b + "attn_v.weight")),
+                       "o": read(b + "attn_output.weight"),
+                       "gate_up": joined(read(b + "ffn_gate.weight"), read(b + "ffn_up.weight")),
+                       "down": read(b + "ffn_down.weight")})
+    return {"embed": embed}, layers

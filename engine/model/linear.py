@@ -1,0 +1,172 @@
+"""The linear layers' weight storages, one interface: y = x W^T (+ bias) (+ residual) for a weight W [out, in],
+`__call__(x, residual=None)`; `shape` (in, out); `dtype` and `device` of what goes in and comes out;
+`weight_bytes` (read once per step), `tensors` (held), `arithmetic` (how the product computes here),
+`kernel(bucket)` (which kernel runs at a row bucket of engine/kernels/choice.py) and `lab_args(bucket)` (what the
+native lab.layers call takes for it, engine/kernels/build.py).
+
+Dense: the model's own values in its dtype, through the product chosen for each row bucket (engine/kernels/choice.py),
+  holding only the layouts those products read.
+Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp on
+  AVX512-BF16, torch's bf16 product elsewhere).
+GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the native kernels (engine/kernels/csrc/quant.cpp),
+  which dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32; on a CPU with
+  AVX512-VNNI Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32.
+"""
+import numpy as np
+import torch
+
+from engine.kernels import aten, build
+from engine.kernels.choice import OPAQUE, bucket, default
+
+
+class Dense:
+    """A weight [out, in] in the model's dtype, through the product chosen for the step's row count (`products`, one
+    candidate per row bucket); only the layouts those candidates read are held."""
+
+    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
+        self.w_out_in = w_out_in.detach().contiguous()  # [out, in]: what `linear` reads
+        self.bias = None if bias is None else bias.detach()
+        self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
+        self.dtype, self.device = w_out_in.dtype, w_out_in.device
+        self.w = self.packed = self.dnn = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's for `onednn`
+        self.size = self.w_out_in  # a tensor of shape [out, in]: where the packed products read their sizes
+        self.products = default(self.device, self.dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w_out_in, self.w, self.packed, self.dnn, self.bias) if t is not None]
+
+    @property
+    def arithmetic(self) -> str:
+        return "fp32" if self.dtype == torch.float32 else str(self.dtype).removeprefix("torch.")
+
+    def kernel(self, bucket: int) -> str:
+        return self.products[bucket]
+
+    def lab_args(self, bucket: int) -> tuple:
+        name = self.products[bucket]
+        weight = {"in_out": self.w, "linear": self.w_out_in, "packed": self.packed, "onednn": self.dnn}[name]
+        return build.PRODUCTS.index(name), weight, self.size if name == "packed" else None, self.bias
+
+    def hold(self, products) -> None:
+        """Make the layouts the candidates `products` read and drop the others (the values come from an [out, in] or
+        [in, out] layout, so one of them must be held until the last call)."""
+        src = self.w_out_in if self.w_out_in is not None else None if self.w is None else self.w.t()
+        if src is None and set(products) - set(OPAQUE):
+            raise RuntimeError("only packed layouts are held: the weight's values cannot be read back")
+        if "in_out" in products and self.w is None:
+            self.w = src.t().contiguous()
+        if "packed" in products and self.packed is None:
+            self.packed = aten.pack(src)
+        if "onednn" in products and self.dnn is None:
+            self.dnn = aten.reorder(src)
+        if "linear" in products and self.w_out_in is None:
+            self.w_out_in = src.contiguous()
+        self.w = self.w if "in_out" in products else None
+        self.packed = self.packed if "packed" in products else None
+        self.dnn = self.dnn if "onednn" in products else None
+        self.w_out_in = self.w_out_in if "linear" in products else None
+        self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: [rows, out], added to the product (inside it where the product allows)."""
+        return self.product(self.products[bucket(x.shape[0])], x, residual)
+
+    def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if name == "packed":
+            return aten.packed_linear(x, self.packed, self.size, self.bias, residual)
+        if name == "onednn":
+            return aten.onednn_linear(x, self.dnn, self.size, self.bias, residual)
+        w = self.w if name == "in_out" else self.w_out_in.t()
+        if self.bias is None:
+            return x @ w if residual is None else torch.addmm(residual, x, w)
+        y = torch.addmm(self.bias, x, w)
+        return y if residual is None else y.add_(residual)
+
+
+class Bf16Dense:
+    """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32: the native kernel
+    where the CPU has AVX512-BF16 (`avx512_bf16`), else torch's bf16 product (its output rounded to bf16 too: the
+    stated fallback)."""
+
+    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
+        self.avx512_bf16 = ops is not None and build.capabilities()["bf16_dot"]
+        self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
+        self.dtype, self.device = torch.float32, w_out_in.device
+        self.bias = None if bias is None else bias.detach().float()
+        self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
+        self.w = ops.bf16_pack(w_out_in.detach()) if self.avx512_bf16 else w_out_in.detach().to(torch.bfloat16)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.shape.numel() * 2
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w, self.bias) if t is not None]
+
+    @property
+    def arithmetic(self) -> str:
+        if self.avx512_bf16:
+            return "bf16: pairs summed in fp32 (AVX512-BF16)"
+        return "bf16: torch's product, rounded to bf16"
+
+    def kernel(self, bucket: int) -> str:
+        return "bf16 (vdpbf16ps)" if self.avx512_bf16 else "bf16 (torch)"
+
+    def lab_args(self, bucket: int) -> tuple | None:
+        """None without AVX512-BF16: lab.layers does not call torch's product."""
+        return (build.PRODUCTS.index("bf16"), self.w, self.n, self.bias) if self.avx512_bf16 else None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.avx512_bf16:
+            return self.ops.bf16_linear(x, self.w, self.shape[1], self.bias, residual)
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.w).float()
+        y = y if self.bias is None else y.add_(self.bias)
+        return y if residual is None else y.add_(residual)
+
+
+class GgufDense:
+    """A weight [out, in] as GGUF blocks (`fmt`: "q4_1" or "q8_0"), packed once for the native kernels."""
+
+    def __init__(self, blocks: np.ndarray, fmt: str, in_features: int, ops, bias: torch.Tensor | None = None):
+        self.fmt, self.ops, self.bias = fmt, ops, None if bias is None else bias.detach().float()
+        self.packed = getattr(ops, f"{fmt}_pack")(torch.from_numpy(np.array(blocks, copy=True)))
+        self.shape = torch.Size((in_features, blocks.shape[0]))  # (in, out)
+        self.dtype, self.device = torch.float32, torch.device("cpu")  # what goes in and comes out
+        self._linear = getattr(ops, f"{fmt}_linear")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.nbytes
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.bias) if t is not None]
+
+    @property
+    def _fixed_point(self) -> bool:
+        return self.fmt == "q4_1" and build.capabilities()["q4_1_vnni"]
+
+    @property
+    def arithmetic(self) -> str:
+        if self._fixed_point:
+            return "q4_1: x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
+        return f"{self.fmt}: fp32"
+
+    def kernel(self, bucket: int) -> str:
+        return f"{self.fmt} (AVX512-VNNI)" if self._fixed_point else self.fmt
+
+    def lab_args(self, bucket: int) -> tuple:
+        return build.PRODUCTS.index(self.fmt), self.packed, None, self.bias
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self._linear(x, self.packed, self.bias, residual)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows `ids` (an embedding lookup), fp32."""
+        return self.ops.q8_0_rows(self.packed, ids)
