@@ -13,7 +13,7 @@ import threading
 import uvicorn
 from omegaconf import OmegaConf
 
-from engine import LLMEngine
+from engine import LLMEngine, isa
 from engine.config import compose_config, load_configured_model, load_engine_model
 from engine.model.loader import eos_ids, pad_id
 from servers.app import create_app
@@ -45,6 +45,7 @@ def main(argv: list[str]):
     """HTTP in a thread, the engine loop in the main thread (where torch's thread pool lives)."""
     overrides = [f"server.{a}" if a.split("=")[0] in ("port", "host") else a for a in argv]
     cfg = compose_config(overrides)
+    isa.apply(cfg.isa)  # before torch does any work: torch, MKL and oneDNN read it once
     app, worker = build(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning",
                                            timeout_graceful_shutdown=5))

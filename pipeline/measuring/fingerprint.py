@@ -1,6 +1,6 @@
-"""This machine's fingerprint: what can change a measurement (the CPU and the instruction sets its kernels use, cores,
-threads, memory, GPUs, library and model package versions, whether the native CPU kernels built). Every measuring
-stage records it, and a new fingerprint reruns them."""
+"""This machine's fingerprint: what can change a measurement (the CPU and the instruction sets its kernels use, the
+isa level the process is held to, cores, threads, memory, GPUs, library and model package versions, whether the
+native CPU kernels built). Every measuring stage records it, and a new fingerprint reruns them."""
 import hashlib
 import json
 import os
@@ -9,6 +9,7 @@ import platform
 import torch
 import transformers
 
+from engine import isa
 from engine.kernels import build
 from engine.machine import MODEL_PACKAGES, cpu_info, memory_gib, package_version
 
@@ -18,7 +19,7 @@ def environment(threads: int | None = None, device: str = "cpu") -> dict:
     cpu, flags = cpu_info()
     gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
             if torch.cuda.is_available() else [])
-    fields = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
+    fields = {"cpu": cpu, "cpu_flags": flags, "isa": isa.held(flags), "cores": os.cpu_count(),
               "threads": int(threads or torch.get_num_threads()),
               "memory_gib": memory_gib(), "gpus": gpus, "device": device,
               "torch": torch.__version__, "transformers": transformers.__version__,
@@ -29,8 +30,9 @@ def environment(threads: int | None = None, device: str = "cpu") -> dict:
 
 
 def label(fp: dict) -> str:
-    """One line naming a machine: CPU and its widest vector unit, threads, GPUs, torch."""
+    """One line naming a machine: CPU and its widest vector unit (or the one an isa level holds it to, and on what),
+    threads, GPUs, torch."""
     f = fp["cpu_flags"]
-    isa = "AMX" if f.get("amx_tile") else "AVX-512" if f.get("avx512f") else "AVX2" if f.get("avx2") else "no AVX2"
+    unit = isa.unit(fp["isa"], f) or ("AMX" if f.get("amx_tile") else isa.vector_unit(f))
     gpu = f", {len(fp['gpus'])} x {fp['gpus'][0]}" if fp["gpus"] else ""
-    return f"{fp['cpu']} ({isa}), {fp['threads']} threads{gpu}, torch {fp['torch']}"
+    return f"{fp['cpu']} ({unit}), {fp['threads']} threads{gpu}, torch {fp['torch']}"

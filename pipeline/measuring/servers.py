@@ -59,8 +59,8 @@ def running(args: list[str], **popen) -> subprocess.Popen:
 
 def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
     args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={cfg.precision.name}",
-            f"server={run.server}", f"port={port}", f"server.max_request_tokens={max_request_tokens}",
-            "server.max_waiting=4096",
+            f"isa={cfg.isa.name}", f"server={run.server}", f"port={port}",
+            f"server.max_request_tokens={max_request_tokens}", "server.max_waiting=4096",
             "server.max_queue_wait_s=inf",  # closed loops measure queueing: admit everyone
             f"threads={cfg.threads}", f"seed={cfg.seed}",
             *([f"policy={run.policy}", f"policy.max_running={run.max_running}"] if run.server == "engine" else []),

@@ -8,6 +8,7 @@ Each job composes conf/ with its overrides, builds its seeded workload and repla
 stage bench_engine does, then saves run.json, run.parquet and run_steps.parquet in its own folder. When the sweep
 ends, `Collect` merges them into sweep.json, sweep.parquet and sweep_steps.parquet (the format of
 data/results/engine/<table>.*) and SWEEP.md in the sweep folder, data/results/sweeps/<date_time> by default.
+A process runs one isa level (engine/isa.py): a multirun over levels needs a launcher that starts a process per job.
 """
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from engine import isa
 from engine.config import load_engine_model
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.replay import run_one, save_table
@@ -29,6 +31,7 @@ from pipeline.workloads.generate import build, tokenizer_and_vocab
 @hydra.main(config_path="../../conf", config_name="sweep", version_base="1.3")
 def job(cfg) -> float:
     """One run; returns its throughput (tok/s) so Hydra's sweepers can optimise over it."""
+    isa.apply(cfg.isa)
     hc = HydraConfig.get()
     tok, vocab = tokenizer_and_vocab(cfg)
     model, _ = load_engine_model(cfg)
