@@ -128,7 +128,9 @@ class ModelRunner:
         """[S, 1, 1, length] additive mask of one query at position n - 1 per sequence (n = lens[i]) against keys
         [0, length): 0 where it attends (within the window), -inf elsewhere."""
         j, p = torch.arange(length, device=self.device)[None, :], self._tensor(lens)[:, None] - 1
-        masked = (j > p) | (j < window_start(p, self.net.window))
+        masked = j > p
+        if self.net.window is not None:  # keys before the window too
+            masked |= j < window_start(p, self.net.window)
         bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
         return bias[:, None, None, :]
 
@@ -143,7 +145,9 @@ class ModelRunner:
         qi = torch.arange(qmax, device=self.device)[None, :, None]
         kj = torch.arange(length, device=self.device)[None, None, :]
         p = starts + qi  # causal by absolute position: a chunk after a cached prefix is aligned to its end
-        seen = (kj <= p) & (kj >= window_start(p, self.net.window))
+        seen = kj <= p
+        if self.net.window is not None:
+            seen &= kj >= window_start(p, self.net.window)
         return (seen | (qi >= counts))[:, None]
 
     def _keys(self, tables, length):
@@ -195,7 +199,9 @@ class ModelRunner:
         rows = torch.arange(Sb, device=dev)
         pos = torch.cat([inputs.positions, inputs.positions.new_full((Sb - S,), cache.seat_len - 1)])
         j, p = torch.arange(Lb, device=dev)[None, :], pos[:, None]
-        masked = (j > p) | (j < window_start(p, self.net.window))
+        masked = j > p
+        if self.net.window is not None:  # keys before the window too
+            masked |= j < window_start(p, self.net.window)
         masked &= (rows < S)[:, None]  # padded rows see every key: no row is all -inf (no NaN written anywhere)
         bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=dev).masked_fill_(masked, -torch.inf)
         ids = torch.cat([inputs.ids, inputs.ids.new_zeros(Sb - S)])
