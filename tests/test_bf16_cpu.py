@@ -1,15 +1,15 @@
-"""precision=bf16's CPU product (engine/kernels/csrc/bf16.cpp, in AVX-512 builds on a CPU with AVX512-BF16): x rounded
-to bf16 (nearest even), times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of
-each sum, whatever the shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does
-not depend on the rows beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
+"""precision=bf16's CPU product (engine/kernels/csrc/bf16.cpp: vdpbf16ps on a CPU with AVX512-BF16, the pairs widened
+and summed with FMA in every other build: tests/test_builds.py runs this file under each): x rounded to bf16 (nearest
+even), times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of each sum, whatever
+the shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does not depend on the
+rows beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
 import pytest
 import torch
 
 from engine.kernels import build as native
 
 lab = native.ops()
-pytestmark = pytest.mark.skipif(lab is None or not native.capabilities()["bf16_dot"],
-                                reason="no fused kernels, or no AVX512-BF16 in this build or CPU")
+pytestmark = pytest.mark.skipif(lab is None, reason="no fused kernels")
 
 
 def reference(x, w, bias=None, residual=None):
@@ -27,7 +27,7 @@ def test_bf16_linear_equals_the_rounded_product(n, k):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g)
     packed = lab.bf16_pack(w)
-    for t in (1, 2, 5, 7, 8, 9, 64):  # a kernel's rows (8) whole, partial and over
+    for t in (1, 2, 5, 6, 7, 8, 9, 11, 64):  # a kernel's rows (8; widened 6 or 5) whole, partial and over
         x = torch.randn(t, k + 16, generator=g)[:, 8:k + 8]  # rows strided
         bias, residual = torch.randn(n, generator=g), torch.randn(t, 2 * n, generator=g)[:, :n]
         for args in ((None, None), (bias, residual)):
@@ -59,3 +59,15 @@ def test_inputs_rounded_by_the_norm_or_silu_give_the_same_bits(t, k):
         assert torch.equal(product, lab.bf16_linear(fp32, packed, 48, None, None))
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
         lab.bf16_linear(torch.zeros(4, 2 * k, dtype=torch.bfloat16)[:, :k], packed, 48, None, None)
+
+
+def test_x_rounds_to_nearest_even_with_subnormals_as_zeros():
+    """x times an identity weight gives x as rounded: ties to even, subnormals (below 2^-126) as zeros (AVX512-BF16's
+    conversion, in every build)."""
+    x = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-9), 3e38, 1e-39, -1e-39, 1 + 2**-7, -0.0,
+                       2.0**-126, 1.1, -7.3, 0.0, 65504.0, 1e-20, 1.0, -2.5e-38]])
+    y = lab.bf16_linear(x, lab.bf16_pack(torch.eye(16)), 16, None, None)
+    want = x.bfloat16().float()
+    want[0, 4:6] = 0.0
+    assert torch.equal(y, want)
+    assert y[0, 0] == 1.0 and y[0, 1] == 1 + 2**-6 and y[0, 15] != 0

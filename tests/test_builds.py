@@ -1,6 +1,7 @@
 """Every kernel test file passes under each instruction-set build this CPU runs besides the suite's own (AVX-512
 without VNNI, AVX2, scalar: engine/kernels/build.py's BUILDS): one pytest process per build, $LAB_KERNELS_BUILD
-naming it, so that the model the tests run loads that build too."""
+naming it, so that the model the tests run loads that build too. The bf16 product gives the same bits in every build
+(vdpbf16ps where the CPU has AVX512-BF16, the pairs widened and summed with FMA elsewhere)."""
 import os
 import re
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.kernels import build as native
 
@@ -27,3 +29,30 @@ def test_kernel_tests_pass_under_each_build(build):
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:]
     assert run.returncode == 0 and re.search(r"\d+ passed", summary), run.stdout[-4000:] + run.stderr[-2000:]
     print(f"{build}: {summary}")  # shown with -rP
+
+
+PRODUCTS = """
+import sys, torch
+from engine.kernels import build
+lab, (w, x, bias, res) = build.ops(), torch.load(sys.argv[1])
+torch.save([lab.bf16_linear(x[:t], lab.bf16_pack(w), w.shape[0], *extra) for t in (1, 6, 64)
+            for extra in ((None, None), (bias, res[:t]))], sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native.ops() is None, reason="no fused kernels")
+def test_bf16_products_are_the_same_bits_in_every_build(tmp_path):
+    g = torch.Generator().manual_seed(5)
+    inputs = (torch.randn(130, 1536, generator=g), torch.randn(64, 1536, generator=g) * 4,
+              torch.randn(130, generator=g), torch.randn(64, 130, generator=g))
+    torch.save(inputs, tmp_path / "in.pt")
+    outs = {}
+    for build in native.builds():
+        run = subprocess.run([sys.executable, "-c", PRODUCTS, str(tmp_path / "in.pt"), str(tmp_path / f"{build}.pt")],
+                             env={**os.environ, native.BUILD_VAR: build}, capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs[build] = torch.load(tmp_path / f"{build}.pt")
+    first, *rest = outs
+    for build in rest:
+        assert all(torch.equal(a, b) for a, b in zip(outs[first], outs[build])), (first, build)

@@ -261,5 +261,6 @@ def test_the_kernel_table_names_what_each_level_runs(tiny_llama):
     assert list(fp32) == ["head", "qkv", "o", "gate_up", "down"]
     for b in range(len(kernels.BUCKETS)):
         assert fp32["qkv"][b] == net.layers[0].qkv.kernel(b) in kernels.candidates(net.device, net.dtype)
-    bf16 = "bf16 (vdpbf16ps)" if build.capabilities() and build.capabilities()["bf16_dot"] else "bf16 (torch)"
+    caps = build.capabilities()
+    bf16 = "bf16 (vdpbf16ps)" if caps["bf16_dot"] else f"bf16 (widened, {caps['isa']} FMA)"
     assert all(k == bf16 for ks in table["levels"]["bf16"].values() for k in ks)

@@ -1,7 +1,8 @@
 """The Q4_1 and Q8_0 kernels (engine/kernels/csrc/quant.cpp): on synthetic GGUF blocks with known codes, scales and
-minima, and on the real model's weights, each op equals gguf's dequantization times x to fp32 rounding, whatever the
-shapes, tails and number of rows; a row's result does not depend on the rows beside it (under every instruction-set
-build: tests/test_builds.py; Q4_1 in fixed point with AVX512-VNNI, in fp32 without it)."""
+minima, and on the real model's weights, each op (per-row blocks, dequantized tiles) equals gguf's dequantization
+times x to fp32 rounding, whatever the shapes, tails and number of rows; a row's result does not depend on the rows
+beside it (under every instruction-set build: tests/test_builds.py; Q4_1 in fixed point with AVX512-VNNI, in fp32
+without it)."""
 import importlib.util
 from pathlib import Path
 
@@ -21,6 +22,7 @@ lab = native.ops()
 pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
 SHAPES = [(16, 32), (20, 64), (37, 576), (48, 1536), (5, 96), (960, 576)]  # N, K: tiles whole and partial
 ROWS = [1, 2, 3, 5, 8, 64, 300]
+KERNELS = ["", "_tiles"]  # the per-row block kernel and the dequantized tiles' (q4_1_linear, q4_1_tiles_linear)
 
 
 def q4_1_blocks(rng, n, k):
@@ -69,14 +71,16 @@ def test_synthetic_blocks_hold_what_gguf_reads():
     assert np.array_equal(dequantized("q8_0", raw).numpy(), np.repeat(d.astype(np.float32), 32, 1) * q)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_linear_equals_the_dequantized_product(kind, n, k):
+def test_linear_equals_the_dequantized_product(kind, n, k, kernel):
     rng = np.random.default_rng(n * k)
     raw = blocks(kind, rng, n, k)
     w = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw))
     assert w.shape == raw.shape and w.dtype == torch.uint8  # the same bytes, moved
-    wd, linear, g = dequantized(kind, raw).double(), getattr(lab, f"{kind}_linear"), torch.Generator().manual_seed(k)
+    wd, linear = dequantized(kind, raw).double(), getattr(lab, f"{kind}{kernel}_linear")
+    g = torch.Generator().manual_seed(k)
     for t in ROWS:
         x = torch.randn(t, k + 16, generator=g)[:, 8:k + 8]  # rows strided
         bias, residual = torch.randn(n, generator=g), torch.randn(t, 2 * n, generator=g)[:, :n]
@@ -84,11 +88,12 @@ def test_linear_equals_the_dequantized_product(kind, n, k):
         assert_product(linear(x, w, bias, residual), x.double(), wd, bias, residual)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(37, 576), (960, 576), (48, 1536)])
-def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k):
+def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k, kernel):
     raw = blocks(kind, np.random.default_rng(1), n, k)
-    w, linear = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)), getattr(lab, f"{kind}_linear")
+    w, linear = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)), getattr(lab, f"{kind}{kernel}_linear")
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
     together = linear(x, w, None, None)
     for i in [0, 1, 5, 17, 63]:
@@ -96,8 +101,9 @@ def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k):
         assert torch.equal(linear(x[i:i + 3], w, None, None), together[i:i + 3])
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_activations_of_any_magnitude(kind):
+def test_activations_of_any_magnitude(kind, kernel):
     """Rows of zeros, of tiny or huge values, and of values 40 orders of magnitude apart in one block, to fp32
     rounding; a row holding inf or NaN comes out not finite."""
     raw = blocks(kind, np.random.default_rng(6), 37, 96)
@@ -110,10 +116,20 @@ def test_activations_of_any_magnitude(kind):
     x[3, ::2] *= 1e-20  # every block: halves 1e20 apart
     x[3, 1::2] *= 1e20
     x[4, 40], x[5, 7] = float("inf"), float("nan")
-    y = getattr(lab, f"{kind}_linear")(x, w, None, None)
+    y = getattr(lab, f"{kind}{kernel}_linear")(x, w, None, None)
     assert torch.equal(y[0], torch.zeros(37))
     assert_product(y[1:4], x[1:4].double(), wd)
     assert not y[4:].isfinite().any()
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_dequantized_tiles_hold_what_gguf_reads(kind):
+    """The tiles kernel's weights are gguf's d * q + m (Q4_1) and d * q (Q8_0) to the bit: x one-hot gives them
+    back, every row of a partial last tile included."""
+    raw = blocks(kind, np.random.default_rng(8), 37, 96)
+    y = getattr(lab, f"{kind}_tiles_linear")(torch.eye(96), getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)),
+                                             None, None)
+    assert torch.equal(y, dequantized(kind, raw).T.contiguous())
 
 
 def test_q8_0_rows_are_gguf_rows():
@@ -128,6 +144,9 @@ def test_arguments_are_checked():
     assert lab.q4_1_linear(torch.randn(0, 64), w, None, None).shape == (0, 16)  # no rows: nothing to do
     with pytest.raises(RuntimeError, match=r"K/32 \* 20"):
         lab.q4_1_linear(torch.randn(2, 32), w, None, None)  # K does not match
+    with pytest.raises(RuntimeError, match=r"K/32 \* 20"):
+        lab.q4_1_tiles_linear(torch.randn(2, 32), w, None, None)
+    assert lab.q4_1_tiles_linear(torch.randn(0, 64), w, None, None).shape == (0, 16)
     with pytest.raises(RuntimeError, match="bias"):
         lab.q4_1_linear(torch.randn(2, 64), w, torch.randn(15), None)
     with pytest.raises(RuntimeError, match="residual"):
@@ -145,6 +164,8 @@ def test_fake_shapes():
         assert lab.q4_1_linear(x, lab.q4_1_pack(w), None, None).shape == (3, 20)
         w8 = mode.from_tensor(torch.zeros(20, 68, dtype=torch.uint8))
         assert lab.q8_0_linear(x, w8, None, None).shape == (3, 20)
+        assert lab.q4_1_tiles_linear(x, lab.q4_1_pack(w), None, None).shape == (3, 20)
+        assert lab.q8_0_tiles_linear(x, w8, None, None).shape == (3, 20)
         assert lab.q8_0_rows(w8, mode.from_tensor(torch.tensor([1, 2]))).shape == (2, 64)
 
 

@@ -24,7 +24,7 @@ BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (qu
           "AVX512": AVX512, "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"],
           "scalar": []}  # instruction-set build -> its compiler flags, best first
 BUILD_VAR = "LAB_KERNELS_BUILD"  # environment variable: one of BUILDS to build and load instead of the best
-PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16")  # lab.layers' kinds (products.h), in order
+PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles")  # lab.layers' kinds (products.h), in order
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 
@@ -94,6 +94,8 @@ def _register_fakes() -> None:
     fake("lab::q8_0_pack")(lambda blocks: blocks.new_empty(blocks.shape))
     fake("lab::q4_1_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
     fake("lab::q8_0_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
+    fake("lab::q4_1_tiles_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
+    fake("lab::q8_0_tiles_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
     fake("lab::layers")(lambda x, *rest: x.new_empty(x.shape))
     fake("lab::bf16_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1], dtype=torch.bfloat16))
     fake("lab::bf16_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n))
@@ -116,7 +118,7 @@ def ops():
 
 def capabilities() -> dict | None:
     """What the loaded build runs: {"isa": AVX512, AVX2 or scalar, "q4_1_vnni": Q4_1's integer products run here,
-    "bf16_dot": the bf16 products run here, "products": lab.layers' product kinds in enum order}; None unbuilt."""
+    "bf16_dot": the bf16 pairs multiply by vdpbf16ps here (else widened, FMA), "products": lab.layers' product kinds in enum order}; None unbuilt."""
     lab = ops()
     if lab is None:
         return None

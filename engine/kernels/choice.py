@@ -9,7 +9,8 @@ compute-bound, over a share of them, the time scaled), interleaved with the othe
 again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices together fit in a
 CPU's caches are not measured (their timings are noise) and keep `default`, as do devices without a clock (`meta`).
 The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and
-`product(candidate, x)` (engine/model/linear.py's Dense).
+`product(candidate, x)` (engine/model/linear.py's Dense); a storage with kernels of its own names its `family` and
+`candidates` (GgufDense: the per-row block kernel and the dequantized tiles') and is measured whatever its size.
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
 import hashlib
@@ -89,10 +90,11 @@ def measure(mats: list, device: torch.device) -> dict:
     product is compute-bound: a share of the matrices is timed and the time scaled to all of them."""
     din, dtype = mats[0].shape[0], mats[0].dtype
     ms, choice = {}, []
+    names = mats[0].candidates if getattr(mats[0], "family", None) else candidates(device, dtype)
     for rows in BUCKETS:
         x = torch.randn(rows, din, dtype=dtype, device=device)
         some = mats[:max(1, len(mats) * STREAMED // rows)]
-        runs = {k: (lambda k=k: [m.product(k, x) for m in some]) for k in candidates(device, dtype)}
+        runs = {k: (lambda k=k: [m.product(k, x) for m in some]) for k in names}
         times = {k: [] for k in runs}
         for run in runs.values():  # warm-up
             run()
@@ -122,15 +124,18 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
     """For each shape (in, out) -> its Dense objects: {"choice": [candidate per bucket], "ms": measured timings or
     None (not measured: `default`)}; measured once per machine and shape, then read from the cache (`remeasure`:
     measure again and replace the cached entry)."""
-    path, key, runs = cache_path(), machine_key(device, dtype), candidates(device, dtype)
+    path, key = cache_path(), machine_key(device, dtype)
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
     out, changed = {}, False
     for shape, mats in groups.items():
-        entry = f"{key}/{shape[0]}x{shape[1]}"
-        if device.type not in ("cpu", "cuda") or sum(m.weight_bytes for m in mats) < SMALL_BYTES and not remeasure:
+        family = getattr(mats[0], "family", None)  # a storage with kernels of its own (GGUF blocks): always measured
+        runs = mats[0].candidates if family else candidates(device, dtype)
+        entry = f"{key}/{family + '/' if family else ''}{shape[0]}x{shape[1]}"
+        small = family is None and sum(m.weight_bytes for m in mats) < SMALL_BYTES
+        if device.type not in ("cpu", "cuda") or small and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
         measured = (cached.get(entry) or {}).get("ms") or {}  # rows -> {candidate: ms}

@@ -6,8 +6,8 @@ native lab.layers call takes for it, engine/kernels/build.py).
 
 Dense: the model's own values in its dtype, through the product chosen for each row bucket (engine/kernels/choice.py),
   holding only the layouts those products read.
-Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp on
-  AVX512-BF16, torch's bf16 product elsewhere).
+Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp: vdpbf16ps
+  on AVX512-BF16, elsewhere the pairs widened to fp32 and summed with FMA: the same sums).
 GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the native kernels (engine/kernels/csrc/quant.cpp),
   which dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32; on a CPU with
   AVX512-VNNI Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32.
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.kernels import aten, build
-from engine.kernels.choice import OPAQUE, bucket, default
+from engine.kernels.choice import BUCKETS, OPAQUE, bucket, default
 
 
 class Dense:
@@ -89,17 +89,20 @@ class Dense:
 
 
 class Bf16Dense:
-    """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32: the native kernel
-    where the CPU has AVX512-BF16 (`avx512_bf16`), else torch's bf16 product (its output rounded to bf16 too: the
-    stated fallback)."""
+    """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32, by the native kernel
+    (vdpbf16ps where the CPU has AVX512-BF16: `avx512_bf16`; elsewhere the pairs widened in registers and summed with
+    FMA, the same sums). Without the native kernels the level is refused: no other product computes these numbers."""
 
     def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
-        self.avx512_bf16 = ops is not None and build.capabilities()["bf16_dot"]
+        if ops is None:
+            raise RuntimeError(f"precision bf16 needs the lab's native kernels, which are not built here: {build.error}")
+        caps = build.capabilities()
+        self.avx512_bf16, self.isa = caps["bf16_dot"], caps["isa"]
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
         self.dtype, self.device = torch.float32, w_out_in.device
         self.bias = None if bias is None else bias.detach().float()
         self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
-        self.w = ops.bf16_pack(w_out_in.detach()) if self.avx512_bf16 else w_out_in.detach().to(torch.bfloat16)
+        self.w = ops.bf16_pack(w_out_in.detach())
 
     @property
     def weight_bytes(self) -> int:
@@ -113,32 +116,31 @@ class Bf16Dense:
     def arithmetic(self) -> str:
         if self.avx512_bf16:
             return "bf16: pairs summed in fp32 (AVX512-BF16)"
-        return "bf16: torch's product, rounded to bf16"
+        return f"bf16: pairs widened to fp32, FMA sums ({self.isa})"
 
     def kernel(self, bucket: int) -> str:
-        return "bf16 (vdpbf16ps)" if self.avx512_bf16 else "bf16 (torch)"
+        return "bf16 (vdpbf16ps)" if self.avx512_bf16 else f"bf16 (widened, {self.isa} FMA)"
 
-    def lab_args(self, bucket: int) -> tuple | None:
-        """None without AVX512-BF16: lab.layers does not call torch's product."""
-        return (build.PRODUCTS.index("bf16"), self.w, self.n, self.bias) if self.avx512_bf16 else None
+    def lab_args(self, bucket: int) -> tuple:
+        return build.PRODUCTS.index("bf16"), self.w, self.n, self.bias
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.avx512_bf16:
-            return self.ops.bf16_linear(x, self.w, self.shape[1], self.bias, residual)
-        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.w).float()
-        y = y if self.bias is None else y.add_(self.bias)
-        return y if residual is None else y.add_(residual)
+        return self.ops.bf16_linear(x, self.w, self.shape[1], self.bias, residual)
 
 
 class GgufDense:
-    """A weight [out, in] as GGUF blocks (`fmt`: "q4_1" or "q8_0"), packed once for the native kernels."""
+    """A weight [out, in] as GGUF blocks (`fmt`: "q4_1" or "q8_0"), packed once for the native kernels, through the
+    kernel chosen for the step's row count (`products`, per row bucket, measured: engine/kernels/choice.py): `fmt`
+    (the blocks dequantized in registers, per row of x) or `fmt`_tiles (a group of tiles dequantized once into the
+    thread's cache, then an fp32 FMA kernel against every row: faster where the products are compute-bound)."""
 
     def __init__(self, blocks: np.ndarray, fmt: str, in_features: int, ops, bias: torch.Tensor | None = None):
         self.fmt, self.ops, self.bias = fmt, ops, None if bias is None else bias.detach().float()
         self.packed = getattr(ops, f"{fmt}_pack")(torch.from_numpy(np.array(blocks, copy=True)))
         self.shape = torch.Size((in_features, blocks.shape[0]))  # (in, out)
         self.dtype, self.device = torch.float32, torch.device("cpu")  # what goes in and comes out
-        self._linear = getattr(ops, f"{fmt}_linear")
+        self.family, self.candidates = fmt, (fmt, f"{fmt}_tiles")  # engine/kernels/choice.py measures these
+        self.products = [fmt] * len(BUCKETS)
 
     @property
     def weight_bytes(self) -> int:
@@ -154,18 +156,26 @@ class GgufDense:
 
     @property
     def arithmetic(self) -> str:
-        if self._fixed_point:
-            return "q4_1: x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
+        if self._fixed_point and self.fmt in self.products:
+            return ("q4_1: x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling; "
+                    "d * q + m in fp32 where tiles are dequantized")
         return f"{self.fmt}: fp32"
 
     def kernel(self, bucket: int) -> str:
-        return f"{self.fmt} (AVX512-VNNI)" if self._fixed_point else self.fmt
+        name = self.products[bucket]
+        return f"{name} (AVX512-VNNI)" if name == "q4_1" and self._fixed_point else name
 
     def lab_args(self, bucket: int) -> tuple:
-        return build.PRODUCTS.index(self.fmt), self.packed, None, self.bias
+        return build.PRODUCTS.index(self.products[bucket]), self.packed, None, self.bias
+
+    def hold(self, products) -> None:
+        """The packed blocks serve every candidate."""
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self._linear(x, self.packed, self.bias, residual)
+        return self.product(self.products[bucket(x.shape[0])], x, residual)
+
+    def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return getattr(self.ops, f"{name}_linear")(x, self.packed, self.bias, residual)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (an embedding lookup), fp32."""

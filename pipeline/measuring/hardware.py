@@ -23,7 +23,8 @@ CONTEXTS = [1024, 4096]
 SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by part
 PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
                              "flat::packed_linear", "mkldnn::_linear_pointwise", "flat::onednn_linear",
-                             "lab::q4_1_linear", "lab::q8_0_linear", "lab::bf16_linear"),
+                             "lab::q4_1_linear", "lab::q8_0_linear", "lab::q4_1_tiles_linear",
+                             "lab::q8_0_tiles_linear", "lab::bf16_linear"),
          "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax", "lab::decode_attention",
                               "lab::token_attention"),
          "RMS norms": ("aten::rms_norm", "lab::rms_norm"),

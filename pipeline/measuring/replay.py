@@ -105,15 +105,17 @@ def tokens_digest(req: pd.DataFrame) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: dict[int, float]):
-    """Replay one run's workload; returns (summary row, per-request records, per-step records)."""
+def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: dict[tuple, float]):
+    """Replay one run's workload on `model` (the engine at cfg's precision level); returns (summary row, per-request
+    records, per-step records). steps_cache: (ref seats, precision level) -> its full-batch step, s."""
     ref, eos = int(cfg.load.ref_seats), eos_ids(model)
-    if ref not in steps_cache:
-        steps_cache[ref], _ = measured(
+    key = (ref, cfg.precision.name)
+    if key not in steps_cache:
+        steps_cache[key], _ = measured(
             lambda: calibrate_step(model, ref, int(cfg.max_request_tokens), int(wl["prompt_tokens"].median()),
                                    compile=bool(cfg.precision.compile), graphs=bool(cfg.precision.graphs)),
-            cfg.measure, f"{table}: the full-batch step")
-    step_s = steps_cache[ref]
+            cfg.measure, f"{table}: the full-batch step at {cfg.precision.name}")
+    step_s = steps_cache[key]
     conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
 
     def one():
@@ -125,7 +127,8 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
 
     (engine, (req, st, _)), watch = measured(one, cfg.measure, f"{table} | {name}")
     ttft_lim, tpot_lim = slo_limits(cfg.slo, step_s)
-    row = {"table": table, "point": name, "policy": cfg.policy.name, "workload": cfg.workload.name,
+    row = {"table": table, "point": name, "policy": cfg.policy.name, "precision": cfg.precision.name,
+           "workload": cfg.workload.name,
            "load": cfg.load.name, "load_multiple": float(cfg.load.get("multiple", float("nan"))),
            "sigma": float(cfg.workload.output.get("sigma", "nan")),  # lognormal tables; shaped: nan
            "length_cv": float(wl["output_tokens"].std(ddof=0) / wl["output_tokens"].mean()), "step_s": step_s,
@@ -160,11 +163,11 @@ def save_table(out_dir, table: str, rows: list[dict], reqs: list, steps: list, m
     write_json(out_dir / f"{table}.json", {"rows": rows, **meta})
 
 
-def run_table(net, base, table: str, workloads: pd.DataFrame) -> tuple[list[dict], list, list]:
-    """Every run of a table (pipeline.workloads.runs) replayed on the engine's model: (summary rows, per-request
-    records, per-step records)."""
-    steps_cache: dict[int, float] = {}
-    results = [run_one(net, cfg, workloads[workloads["point"] == name], table, name, steps_cache)
+def run_table(net_for, base, table: str, workloads: pd.DataFrame) -> tuple[list[dict], list, list]:
+    """Every run of a table (pipeline.workloads.runs) replayed on the engine's model at the run's precision level
+    (net_for(run config) -> that model): (summary rows, per-request records, per-step records)."""
+    steps_cache: dict[tuple, float] = {}
+    results = [run_one(net_for(cfg), cfg, workloads[workloads["point"] == name], table, name, steps_cache)
                for name, cfg in runs(base, table)]
     rows, reqs, steps = (list(x) for x in zip(*results))
     return rows, reqs, steps

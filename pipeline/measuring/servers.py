@@ -24,6 +24,7 @@ from pipeline.measuring.loadgen import closed_loop, open_loop
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.measuring.timing import engine_run, hf_generate, warm_compiled
 from pipeline.workloads.prompts import CHAT, chat_ids
+from pipeline.workloads.runs import level_not_here
 
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process gets when the thread that started it ends
 
@@ -58,7 +59,9 @@ def running(args: list[str], **popen) -> subprocess.Popen:
 
 
 def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
-    args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={cfg.precision.name}",
+    """The run's server on `port`, once it answers; an engine server at the run's `precision` (default: cfg's)."""
+    level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else cfg.precision.name
+    args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={level}",
             f"isa={cfg.isa.name}", f"server={run.server}", f"port={port}",
             f"server.max_request_tokens={max_request_tokens}", "server.max_waiting=4096",
             "server.max_queue_wait_s=inf",  # closed loops measure queueing: admit everyone
@@ -224,6 +227,10 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
     max_request_tokens = 512 + max(b.max_tokens, *b.mixed.max_tokens)
     for run in [*b.runs, {**b.break_static, "name": "hf-static (no deadline)"}]:
         run = OmegaConf.create(run) if isinstance(run, dict) else run
+        why = level_not_here(cfg, run.precision) if run.get("precision") else None
+        if why:
+            print(f"{run.name}: not run here: {why}", flush=True)
+            continue
         port = free_port()
         proc = start(cfg, run, port, max_request_tokens)
         try:
@@ -239,8 +246,8 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
                 r, d = r + mr, d + md
         finally:
             stop(proc)
-        level = cfg.precision.name if run.server == "engine" else {"float32": "fp32"}.get(cfg.precision.dtype,
-                                                                                           cfg.precision.dtype)
+        level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else \
+            {"float32": "fp32"}.get(cfg.precision.dtype, cfg.precision.dtype)
         rows, recs = rows + [{**row, "precision": level} for row in r], recs + d
     c64 = [r for r in rows if r["backend"] == "engine-continuous" and r["concurrency"] == 64]
     if c64:

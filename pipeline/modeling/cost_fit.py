@@ -6,6 +6,8 @@ as much as long prefills: a decode step's error is what TPOT and ITL are made of
 The knee: the prompt tokens per step at which their cost equals the fixed per-step cost (fixed / per prompt token);
 below it a step costs about the same however many tokens it carries. Predicted from the ridge (2 FLOP per weight
 per token): ridge x bytes per weight / 2 tokens (2 x ridge for fp32 weights).
+The simulator's model is fitted to the steps at the configured precision level; a table whose points run at several
+levels (precision_policies) also gets a model per level, fitted to its own steps at that level.
 """
 import numpy as np
 import pandas as pd
@@ -40,21 +42,45 @@ def fit(steps: pd.DataFrame) -> tuple[CostModel, dict]:
     return model, stats
 
 
-def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict) -> dict:
-    """The fit to the steps (of positive duration) of every replay not disturbed, with the knee against the ridge
-    point; `tables`: table name -> its results file (all from one machine); steps: their steps, with `table` and
-    `point` columns; hw: reports/hardware.json."""
+def level_of(tables: dict[str, dict]) -> tuple[str, dict[tuple[str, str], str]]:
+    """(the configured precision level of the replays, (table, point) -> the level the run ran at)."""
+    configured = {t.get("config", {}).get("precision", {}).get("name", "fp32") for t in tables.values()}
+    if len(configured) != 1:
+        raise SystemExit(f"fit_cost_model: the engine results come from {len(configured)} configured precision "
+                         f"levels {sorted(configured)}; rerun bench_engine at one")
+    base = configured.pop()
+    return base, {(name, r["point"]): r.get("precision", base) for name, t in tables.items() for r in t["rows"]}
+
+
+def fitted(model: CostModel, stats: dict) -> dict:
+    per_token = model.coef["num_prompt_tokens"]
+    return {"cost_model": model.as_dict(), "fit": stats,
+            "knee_tokens": model.fixed / per_token if per_token > 0 else float("inf")}
+
+
+def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict, levels_from: str | None = None) -> dict:
+    """The fit to the steps (of positive duration) of every replay not disturbed at the configured precision level,
+    with the knee against the ridge point; and, where table `levels_from` ran points at several precision levels, a
+    fit per level to that table's steps at the level (`levels`). `tables`: table name -> its results file (all from
+    one machine); steps: their steps, with `table` and `point` columns; hw: reports/hardware.json."""
     machines = {t["machine"]["id"]: t["machine"] for t in tables.values()}
     if len(machines) != 1:
         raise SystemExit(f"fit_cost_model: the engine results come from {len(machines)} machines "
                          f"{[m['label'] for m in machines.values()]}; rerun bench_engine on one")
+    base, levels = level_of(tables)
     disturbed = {(name, r["point"]) for name, t in tables.items() for r in t["rows"] if r.get("disturbed")}
-    keep = ~pd.Series(list(zip(steps["table"], steps["point"])), index=steps.index).isin(disturbed)
-    model, stats = fit(steps[keep & (steps["duration"] > 0)])
+    runs = pd.Series(list(zip(steps["table"], steps["point"])), index=steps.index)
+    level = runs.map(levels)
+    keep = ~runs.isin(disturbed) & (steps["duration"] > 0)
+    model, stats = fit(steps[keep & (level == base)])
     stats["left_out_runs"] = sorted(f"{t} | {p}" for t, p in disturbed)
-    per_token = model.coef["num_prompt_tokens"]
-    return {"cost_model": model.as_dict(), "fit": stats,
-            "knee_tokens": model.fixed / per_token if per_token > 0 else float("inf"),
+    by_level = {}
+    if levels_from in tables:
+        for name in dict.fromkeys(r.get("precision", base) for r in tables[levels_from]["rows"]):
+            mine = steps[keep & (steps["table"] == levels_from) & (level == name)]
+            if len(mine) > len(FEATURES):  # more steps than coefficients
+                by_level[name] = fitted(*fit(mine))
+    return {**fitted(model, stats), "precision": base, "levels": by_level, "levels_from": levels_from,
             "ridge_flop_per_byte": hw["ridge_flop_per_byte"],
             "knee_from_ridge_tokens": hw["ridge_flop_per_byte"] * hw["weight_bytes"] / hw["params"] / 2,
             "machine": next(iter(machines.values()))}

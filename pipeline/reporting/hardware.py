@@ -29,14 +29,13 @@ def render_split(h: dict) -> list[str]:
 def render_kernel_table(k: dict) -> list[str]:
     b = k["build"]
     native = (f"the native library built for {b['isa']} (Q4_1 integer sums: {'yes' if b['q4_1_vnni'] else 'no'}, "
-              f"bf16 dot products: {'yes' if b['bf16_dot'] else 'no'})") if b else "no native library (ATen only)"
+              f"bf16 pairs by vdpbf16ps: {'yes' if b['bf16_dot'] else 'no: widened, FMA'})") if b else "no native library (ATen only)"
     tops = [f"<= {n}" for n in k["buckets"][:-1]] + [f"> {k['buckets'][-2]}"]
     lines = ["## Which kernel runs each product, per precision level and rows a step", "",
              f"From the engine built at each level on this machine, with {native}. fp32: the product measured "
              "fastest for the shape (`in_out`: x @ W; `linear`: F.linear; `packed`: MKL's GEMM on its packed layout; "
              "`onednn`: oneDNN's inner product); w4: the GGUF block format, read as stored "
-             "(engine/kernels/csrc/quant.cpp); bf16: the bf16 product (engine/kernels/csrc/bf16.cpp, else "
-             "torch's).", "",
+             "(engine/kernels/csrc/quant.cpp); bf16: the bf16 product (engine/kernels/csrc/bf16.cpp).", "",
              "| level | product | " + " | ".join(f"rows {t}" for t in tops) + " |",
              "|---|---|" + "---|" * len(tops)]
     for level, products in k["levels"].items():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from engine.config import group_entry
 from pipeline.measuring.metrics import meets_slo
-from pipeline.reporting import tables
+from pipeline.reporting import precision_table, tables
 
 
 class MixedMachines(SystemExit):
@@ -212,6 +212,10 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                          "Same arrivals for every policy. `bucketed` is an oracle: it reads each request's true "
                          "output length."),
         "prefill_stall": ("Prefill stalls decode (seed 003 §5)", "15% long prompts."),
+        "precision_policies": ("Precision as an axis: the headline policies at each precision level",
+                               "The all_policies workload and arrivals at each level, each level's load and SLOs in "
+                               "units of its own measured full-batch step; each level's accuracy against fp32 from "
+                               "reports/precision.json."),
         "kv_memory": ("One KV memory budget: slot seats against a paged pool (seed 003 §7, measured)",
                       "The slot cache reserves 8 worst-case seats; the paged pool holds the same bytes in blocks "
                       "taken as tokens arrive, with up to 64 requests running and recompute preemption."),
@@ -223,9 +227,11 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                        "preempted request gives back its blocks and later recomputes prompt + produced tokens."),
         "main": ("The configured run", "`policy`, `workload` and `load` as composed in params.yaml."),
     }
+    renders = {**tables.TABLES, "precision_policies": lambda rows: precision_table.render(
+        rows, prec, read(results / "cost_model.json"), read(results / "simulation.json"))}
     for name, rows in results_by_table.items():
-        if name in tables.TABLES:
-            body, m = tables.TABLES[name](rows)
+        if name in renders:
+            body, m = renders[name](rows)
             title, note = notes[name]
             parts.append(section(title, note + inputs.note(results / "engine" / f"{name}.json") + marked(rows), body))
             metrics.update(m)
@@ -235,7 +241,8 @@ def build(cfg, root: Path) -> tuple[str, dict]:
             ("cost_model.json", tables.cost_model, "Step-time cost model (seed 003 §5-6)",
              "step = fixed + a sum of what the step computes (prompt tokens, decode rows, sampled rows, query-key "
              "pairs of each attention part as computed, a mixed pass), each term >= 0, fitted by non-negative least "
-             "squares on relative error to every measured step of the replays."),
+             "squares on relative error to every measured step of the replays at the configured precision level (each "
+             "level's own model: the precision section)."),
             ("simulation.json", tables.validation, "Simulator validation (seed 003 §6)",
              "The same scheduler on a virtual clock driven by the cost model, replaying every real run's workload.")):
         result = read(results / file)

@@ -25,6 +25,7 @@ def scoreboard(rows: list[dict], env: dict, ref: dict | None, opened: dict | Non
                      f"{fmt(r['per_stream_tps'], 1)} | {fmt(r['max_gap_p99_s'])} | "
                      f"{fmt(r.get('http_cpu_ms_per_token'), 3)} | {r['errors']} | {fmt(r.get('other_cpu_share'))} | "
                      f"{'yes' if r.get('disturbed') else 'no'} |")
+    lines += by_level(rows, prec)
     if ref:
         lines += ["", f"c=64 continuous server against the same requests in-process (one run): server "
                   f"{ref['server_tps']:.1f} tok/s, engine {ref['engine_tps']:.1f} tok/s (ratio "
@@ -42,3 +43,19 @@ def scoreboard(rows: list[dict], env: dict, ref: dict | None, opened: dict | Non
     return "\n".join(lines) + "\n"
 
 
+def by_level(rows: list[dict], prec: dict | None) -> list[str]:
+    """A sentence setting the continuous engine server's rows at each precision level side by side, at the lowest and
+    the highest concurrency they share, each level with its accuracy; [] where the engine ran at one level."""
+    engine = [r for r in rows if r["backend"].startswith("engine-continuous") and "mixed" not in r["backend"]]
+    levels = list(dict.fromkeys(r.get("precision", "fp32") for r in engine))
+    if len(levels) < 2:
+        return []
+    tps = {(r.get("precision", "fp32"), r["concurrency"]): r["throughput_tps"] for r in engine}
+    shared = sorted(set.intersection(*({c for lv, c in tps if lv == level} for level in levels)))
+    if not shared:
+        return []
+    cs = sorted({shared[0], shared[-1]})
+    each = [f"{level} {' / '.join(fmt(tps[level, c], 1) for c in cs)} tok/s ({accuracy_of(prec, level)})"
+            for level in levels]
+    return ["", f"The continuous engine server at each precision level, c = {' / '.join(map(str, cs))} (measured): "
+            + "; ".join(each) + "."]

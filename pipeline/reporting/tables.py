@@ -32,6 +32,8 @@ def run_key(row: dict) -> str:
         key = f"S{row['shared_prefix_tokens']}.N{row['requests']}.{'cached' if row['prefix_caching'] else 'uncached'}"
     if row["table"] == "preemption":
         key = f"blocks{row['num_blocks']}"
+    if row["table"] == "precision_policies":
+        key = f"{row.get('precision', 'fp32')}.{key}"
     return key
 
 

@@ -1,5 +1,7 @@
 """Stage bench_engine: each run of a table replayed through the engine on the wall clock (data/results/engine/:
-<table>.json summary rows with config and machine, <table>.parquet requests, <table>_steps.parquet steps)."""
+<table>.json summary rows with config and machine, <table>.parquet requests, <table>_steps.parquet steps). A run at
+another precision level than the configured one (a table point's `precision`) runs on the engine at that level, loaded
+once; each row names its level."""
 import sys
 
 import pandas as pd
@@ -13,10 +15,16 @@ from pipeline.timings import timed_stage
 
 if __name__ == "__main__":
     cfg = load([])
-    net, _ = load_engine_model(cfg)
+    nets = {cfg.precision.name: load_engine_model(cfg)[0]}  # precision level -> the engine's model at that level
+
+    def net_for(run_cfg):
+        if run_cfg.precision.name not in nets:
+            nets[run_cfg.precision.name] = load_engine_model(run_cfg)[0]
+        return nets[run_cfg.precision.name]
+
     for table in sys.argv[1:] or list(cfg.tables):
         with timed_stage(f"bench_engine@{table}"):
             workloads = pd.read_parquet(ROOT / "data" / "workloads" / f"{table}.parquet")
-            rows, reqs, steps = run_table(net, cfg, table, workloads)
+            rows, reqs, steps = run_table(net_for, cfg, table, workloads)
             meta = {"config": OmegaConf.to_container(cfg), "machine": environment(cfg.threads, cfg.precision.device)}
             save_table(ROOT / "data" / "results" / "engine", table, rows, reqs, steps, meta)

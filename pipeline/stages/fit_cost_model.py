@@ -1,4 +1,5 @@
-"""Stage fit_cost_model: the step-time cost model fitted to every replay's steps (data/results/cost_model.json)."""
+"""Stage fit_cost_model: the step-time cost model fitted to every replay's steps at the configured precision level,
+and one per level to the precision_policies table's steps (data/results/cost_model.json)."""
 import json
 
 import pandas as pd
@@ -9,6 +10,7 @@ from pipeline.results import write_json
 from pipeline.timings import timed_stage
 
 RESULTS = ROOT / "data" / "results"
+LEVELS_FROM = "precision_policies"  # the table whose points run at each precision level
 
 if __name__ == "__main__":
     with timed_stage():
@@ -16,6 +18,6 @@ if __name__ == "__main__":
         steps = pd.concat([pd.read_parquet(p.with_name(f"{p.stem}_steps.parquet")).assign(table=p.stem)
                            for p in paths], ignore_index=True)
         out = fit_replays({p.stem: json.loads(p.read_text()) for p in paths}, steps,
-                          json.loads((ROOT / "reports" / "hardware.json").read_text()))
+                          json.loads((ROOT / "reports" / "hardware.json").read_text()), LEVELS_FROM)
         write_json(RESULTS / "cost_model.json", out)
         print(json.dumps({k: v for k, v in out.items() if k != "machine"}, indent=1))

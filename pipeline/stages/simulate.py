@@ -1,4 +1,5 @@
-"""Stage simulate: the simulator validated against every real run, then swept (data/results/simulation.json)."""
+"""Stage simulate: the simulator validated against every real run, then swept, then each precision level's policies
+(data/results/simulation.json)."""
 import json
 
 from engine.config import ROOT
@@ -13,6 +14,7 @@ RESULTS = ROOT / "data" / "results"
 if __name__ == "__main__":
     with timed_stage():
         fitted = json.loads((RESULTS / "cost_model.json").read_text())
-        out = {**run_all(CostModel(**fitted["cost_model"]), load()), "machine": fitted["machine"]}
+        levels = {name: CostModel(**v["cost_model"]) for name, v in fitted.get("levels", {}).items()}
+        out = {**run_all(CostModel(**fitted["cost_model"]), load(), levels), "machine": fitted["machine"]}
         write_json(RESULTS / "simulation.json", out)
         print(json.dumps({"validation_stats": out["validation_stats"], "timing": out["timing"]}, indent=1))

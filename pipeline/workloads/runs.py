@@ -1,4 +1,5 @@
-"""A table's runs: its experiment file's `points` (override sets) crossed with its `sweep` axes, each composed."""
+"""A table's runs: its experiment file's `points` (override sets) crossed with its `sweep` axes, each composed. A
+point may set `precision`: a level this model or device cannot run is left out, said (the table's other points run)."""
 import itertools
 
 from omegaconf import DictConfig
@@ -28,9 +29,32 @@ def table_config(base: DictConfig, table: str, overrides: dict | None = None) ->
     return compose_config(top + [f"{k}={v}" for k, v in (overrides or {}).items()])
 
 
+def level_not_here(base: DictConfig, name: str) -> str | None:
+    """Why precision level `name` cannot run beside the base config's (its model has no GGUF file for it, or the
+    level runs on another device than the configured one); None when it can."""
+    try:
+        level = compose_config([f"model={base.model.name}", f"precision={name}"]).precision
+    except ValueError as exc:
+        return str(exc)
+    if level.device != base.precision.device:
+        return f"precision {name} runs on {level.device}, the configured level on {base.precision.device}"
+    return None
+
+
 def runs(base: DictConfig, table: str) -> list[tuple[str, DictConfig]]:
-    """(label, config) for every run of a table."""
-    spec = base.table if table == "main" else table_config(base, table).table
+    """(label, config) for every run of a table. Points at a precision level that cannot run here are left out; if
+    that leaves none, the table's points run at the configured level instead."""
     if table == "main":
         return [("main", base)]
-    return [(label(o), table_config(base, table, o)) for o in point_overrides(spec)]
+    points = point_overrides(table_config(base, table).table)
+    out = []
+    for o in points:
+        why = level_not_here(base, str(o["precision"])) if "precision" in o else None
+        if why:
+            print(f"{table} | {label(o)}: not run here: {why}", flush=True)
+            continue
+        out.append((label(o), table_config(base, table, o)))
+    if not out:  # no level of the table runs here: its points at the configured level, each once
+        kept = {label(p): p for p in ({k: v for k, v in o.items() if k != "precision"} for o in points)}
+        out = [(name, table_config(base, table, o)) for name, o in kept.items()]
+    return out

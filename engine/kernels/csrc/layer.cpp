@@ -59,6 +59,14 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       NAMED("q8_0_linear");
       return q8_0_linear(x, w, bias, residual);
     }
+    case Q4_1_TILES: {
+      NAMED("q4_1_tiles_linear");
+      return q4_1_tiles_linear(x, w, bias, residual);
+    }
+    case Q8_0_TILES: {
+      NAMED("q8_0_tiles_linear");
+      return q8_0_tiles_linear(x, w, bias, residual);
+    }
     case BF16: {  // aux: the number of outputs, a 0-dim int64 tensor
       NAMED("bf16_linear");
       return bf16_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);

@@ -31,6 +31,8 @@ TORCH_LIBRARY(lab, m) {
   m.def("q8_0_pack(Tensor blocks) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("q4_1_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // tiles dequantized,
+  m.def("q8_0_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // fp32 FMA kernel
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
@@ -54,6 +56,8 @@ TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("q8_0_pack", q8_0_pack);
   m.impl("q4_1_linear", q4_1_linear);
   m.impl("q8_0_linear", q8_0_linear);
+  m.impl("q4_1_tiles_linear", q4_1_tiles_linear);
+  m.impl("q8_0_tiles_linear", q8_0_tiles_linear);
   m.impl("q8_0_rows", q8_0_rows);
   m.impl("bf16_pack", bf16_pack);
   m.impl("bf16_linear", bf16_linear);

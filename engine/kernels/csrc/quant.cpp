@@ -17,7 +17,6 @@ constexpr int64_t QK = 32;    // weights per block
 // (width bytes, at offset `off` of the row's block as GGUF stores it) lies at `rows * off + r * width`.
 static inline int64_t in_tile(int64_t rows, int64_t off, int64_t width, int64_t r) { return rows * off + r * width; }
 
-#define UNROLL _Pragma("GCC unroll 16")  // loops over a kernel's tiles and rows: its sums stay in registers
 
 
 // Q4_1: a row's block is d (fp16), m (fp16), 16 bytes of codes (byte i: weight i in its low nibble, i + 16 in its
@@ -55,6 +54,17 @@ struct Q4_1 {
       UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(xsum[r], m, fma(d, add(s[0][t][r], s[1][t][r]), acc[t][r]));
     }
   }
+  // A tile's block at p -> its weights d * q + m (the values GGUF's dequantization gives), weight k's 16 rows at
+  // o + 16 k. A code comes scaled by 2^(4j): d by 2^-4j (exact), so that d * q is the same product.
+  static inline void dequantize(const uint8_t* p, float* o) {
+    const F d = halves(p), m = halves(p + in_tile(TILE, 2, 2, 0));
+    const F ds[4] = {d, mul(d, 0x1p-4f), mul(d, 0x1p-8f), mul(d, 0x1p-12f)};
+    UNROLL for (int w = 0; w < 4; ++w) {
+      const Nibbles c = nibbles(p + in_tile(TILE, 4 + 4 * w, 4, 0));
+      UNROLL for (int i = 0; i < 8; ++i)
+        store(add(mul(ds[i % 4], nibble(c, i)), m), o + (4 * w + i / 2 + 16 * (i % 2)) * TILE);
+    }
+  }
 };
 
 // Q8_0: a row's block is d (fp16) and 32 int8 codes; a weight is d * q. In a tile: d, then the codes a byte at a time.
@@ -75,6 +85,10 @@ struct Q8_0 {
       const F d = halves(p[t]);
       UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(d, s[t][r], acc[t][r]);
     }
+  }
+  static inline void dequantize(const uint8_t* p, float* o) {  // d * q, weight k's 16 rows at o + 16 k
+    const F d = halves(p);
+    for (int64_t k = 0; k < QK; ++k) store(mul(d, bytes(p + in_tile(TILE, 2 + k, 1, 0))), o + k * TILE);
   }
 };
 
@@ -171,7 +185,7 @@ constexpr int RI = 2;  // and rows of x in one integer kernel at most: 2 rows x 
 // X = b0 + 2^8 b1 + 2^16 b2 + 2^24 b3, each b a signed byte) at q; returns 2^-e, NaN where x is not finite. e is at
 // most 126 (2^-e stays a normal float): a block whose largest |x| is below 2^-96 keeps fewer bits.
 VNNI_TARGET static float fixed_point(const float* xb, int8_t* q) {
-  const F v[2] = {floats(xb), floats(xb + 16)};
+  const F v[2] = {floats16(xb), floats16(xb + 16)};
   const float mx = max_abs(v[0], v[1]);
   if (!std::isfinite(mx)) {
     std::memset(q, 0, LIMBS * QK);
@@ -252,24 +266,99 @@ static Kernel kernel_for(int r, bool wide) {
   return wide ? tiles<Q, std::max(1, ACC / R), R> : tiles<Q, 1, R>;
 }
 
-// x [T, K] float32 (rows may be strided), w packed [N, K/32 * B], bias [N], residual [T, N] -> [T, N] float32
+// NT dequantized tiles (at o, K x 16 floats each: weight k of each row at o + 16 k) times rows t0 to t0 + R - 1
+// of x (a.x, `xs` floats apart): each row's sum over k in order, with FMA, whatever R.
+template <int NT, int R>
+static void fma_tiles(const Operands& a, int64_t xs, const float* o, int64_t K, int64_t i, int64_t t0) {
+  F acc[NT][R];
+  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) acc[t][r] = zero();
+  const float* x = a.x + t0 * xs;
+  for (int64_t k = 0; k < K; ++k) UNROLL for (int t = 0; t < NT; ++t) {
+    const F v = floats16(o + (t * K + k) * TILE);
+    UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(x[r * xs + k], v, acc[t][r]);
+  }
+  finish<NT, R>(a, acc, i, t0);
+}
+
+using FmaKernel = void (*)(const Operands&, int64_t, const float*, int64_t, int64_t, int64_t);
+
+template <int G = FMA_TILES, int R = FMA_ROWS>
+static FmaKernel fma_kernel_for(int64_t nt, int64_t r) {  // nt tiles (at most G), r rows (at most R)
+  if constexpr (G > 1)
+    if (nt < G) return fma_kernel_for<G - 1, R>(nt, r);
+  if constexpr (R > 1)
+    if (r < R) return fma_kernel_for<G, R - 1>(nt, r);
+  return fma_tiles<G, R>;
+}
+
+// The checks of a product's arguments: x [T, K] float32 (K a positive multiple of 32), packed w [N, K/32 * B],
+// bias [N], residual [T, N].
 template <class Q>
-static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-                         const std::optional<at::Tensor>& residual) {
+static void check_args(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   check(x, "x");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
                   x.dim() == 2 && w.size(1) == x.size(1) / QK * Q::B && x.size(1) % QK == 0 && x.size(1) > 0,
               "linear: x [T, K] (K a positive multiple of 32) and packed w uint8 [N, K/32 * ", Q::B, "] are needed");
-  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B;
   if (bias) {
     check(*bias, "bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "linear: bias [N] is needed");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear: bias [N] is needed");
   }
   if (residual) {
     check(*residual, "residual");
-    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == N,
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) && residual->size(1) == w.size(0),
                 "linear: residual [T, N] is needed");
   }
+}
+
+// The last tile of packed w if partial (rest rows), widened to 16 rows (zeros): the layout of a whole one.
+template <class Q>
+static std::vector<uint8_t> widened_last(const uint8_t* wp, int64_t N, int64_t Kb) {
+  const int64_t full = N / TILE, rest = N % TILE, ts = TILE * Kb * Q::B;
+  std::vector<uint8_t> last(ts, 0);
+  const auto packed = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
+    return b * rest * Q::B + in_tile(rest, off, w, r);
+  };
+  const auto wide = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
+    return b * TILE * Q::B + in_tile(TILE, off, w, r);
+  };
+  relayout<Q>(rest, Kb, wp + full * ts, last.data(), packed, wide);
+  return last;
+}
+
+// x [T, K] float32 (rows may be strided), w packed [N, K/32 * B], bias [N], residual [T, N] -> [T, N] float32, each
+// group of FMA_TILES tiles dequantized once into the thread's cache (d * q (+ m) in fp32: the fp32 copy's values),
+// then run against every row of x by an fp32 FMA kernel: a row's sum in order of k (the same bits whatever T).
+template <class Q>
+static at::Tensor dequantized(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  check_args<Q>(x, w, bias, residual);
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B;
+  at::Tensor out = at::empty({T, N}, x.options());
+  const Operands a{x.data_ptr<float>(), nullptr, nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
+                   residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0,
+                   out.data_ptr<float>(), T, N, Kb};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t tiles = (N + TILE - 1) / TILE, full = N / TILE, groups = (tiles + FMA_TILES - 1) / FMA_TILES;
+  parallel(0, groups, 1, [&](int64_t begin, int64_t end) {
+    const std::vector<uint8_t> last = end * FMA_TILES > full ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
+    std::vector<float> o(FMA_TILES * K * TILE);  // the group's weights, dequantized
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t t0 = g * FMA_TILES, nt = std::min<int64_t>(FMA_TILES, tiles - t0);
+      for (int64_t t = 0; t < nt; ++t) {
+        const uint8_t* p = t0 + t < full ? wp + (t0 + t) * ts : last.data();
+        for (int64_t b = 0; b < Kb; ++b) Q::dequantize(p + b * TILE * Q::B, o.data() + (t * K + b * QK) * TILE);
+      }
+      for (int64_t r = 0; r < T; r += FMA_ROWS)
+        fma_kernel_for(nt, std::min<int64_t>(FMA_ROWS, T - r))(a, x.stride(0), o.data(), K, t0, r);
+    }
+  });
+  return out;
+}
+
+// x [T, K] float32 (rows may be strided), w packed [N, K/32 * B], bias [N], residual [T, N] -> [T, N] float32
+template <class Q>
+static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  check_args<Q>(x, w, bias, residual);
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B;
   const bool ints = std::is_same_v<Q, Q4_1> && q4_1_fixed_point();
   const int rmax = ints ? RI : RMAX;  // rows of x per kernel at most
   at::Tensor out = at::empty({T, N}, x.options()), xs = at::empty({2, T, Kb}, x.options()),
@@ -302,20 +391,10 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::op
     return kernel_for<Q>(r, wide);
   };
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t full = N / TILE, rest = N % TILE;  // whole tiles; rows of the last one, if partial
+  const int64_t full = N / TILE;  // whole tiles (a partial last one widened: widened_last)
   parallel(0, (N + TILE - 1) / TILE, grain_of(TILE * K * std::max<int64_t>(1, T)),
            [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> last;  // the partial tile widened to 16 rows (zeros)
-    if (end > full) {
-      last.assign(ts, 0);
-      const auto packed = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
-        return b * rest * Q::B + in_tile(rest, off, w, r);
-      };
-      const auto wide = [&](int64_t b, int64_t off, int64_t w, int64_t r) {
-        return b * TILE * Q::B + in_tile(TILE, off, w, r);
-      };
-      relayout<Q>(rest, Kb, wp + full * ts, last.data(), packed, wide);
-    }
+    const std::vector<uint8_t> last = end > full ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
     for (int64_t g = begin; g < end; g += ACC)  // ACC tiles at a time, kept in cache over all rows of x
       for (int64_t t = 0; t < T; t += rmax) {
         const int r = std::min<int64_t>(rmax, T - t), nt = std::max(1, ACC / r);
@@ -363,4 +442,10 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias
 }
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   return linear<Q8_0>(x, w, bias, residual);
+}
+at::Tensor q4_1_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  return dequantized<Q4_1>(x, w, bias, residual);
+}
+at::Tensor q8_0_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  return dequantized<Q8_0>(x, w, bias, residual);
 }

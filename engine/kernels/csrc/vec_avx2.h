@@ -5,6 +5,7 @@
 constexpr const char* ISA = "AVX2";
 constexpr int ACC = 2;
 constexpr int RMAX = 4;
+constexpr int FMA_TILES = 1, FMA_ROWS = 5;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
 struct F {  // rows 0-7 and 8-15
   __m256 a, b;
 };
@@ -15,6 +16,8 @@ ALWAYS_INLINE F fma(float a, F b, F c) { return fma(F{_mm256_set1_ps(a), _mm256_
 ALWAYS_INLINE F mul(F a, float b) {
   return {_mm256_mul_ps(a.a, _mm256_set1_ps(b)), _mm256_mul_ps(a.b, _mm256_set1_ps(b))};
 }
+ALWAYS_INLINE F floats16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }  // 16 floats
+ALWAYS_INLINE F mul(F a, F b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
 ALWAYS_INLINE void store(F a, float* o) {
   _mm256_storeu_ps(o, a.a);
   _mm256_storeu_ps(o + 8, a.b);
@@ -31,6 +34,16 @@ ALWAYS_INLINE __m256 half8(const uint8_t* p) {
   return _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_or_si256(top, sign)));
 }
 ALWAYS_INLINE F halves(const uint8_t* p) { return {half8(p), half8(p + 16)}; }
+ALWAYS_INLINE F evens(const uint16_t* p) {  // 16 pairs of bf16: the first of each, widened (a shift)
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16))};
+}
+ALWAYS_INLINE F odds(const uint16_t* p) {  // and the second of each (the low half cleared)
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)), hi = _mm256_set1_epi32(0xFFFF0000);
+  return {_mm256_castsi256_ps(_mm256_and_si256(a, hi)), _mm256_castsi256_ps(_mm256_and_si256(b, hi))};
+}
 ALWAYS_INLINE __m256 byte8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }

@@ -6,6 +6,7 @@
 constexpr const char* ISA = "AVX512";
 constexpr int ACC = 4;   // a tile kernel's tiles for one row of x (ACC / rows for more): what the registers hold
 constexpr int RMAX = 8;  // and its rows of x at most
+constexpr int FMA_TILES = 3, FMA_ROWS = 6;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
 
 struct F {
   __m512 v;
@@ -15,12 +16,17 @@ ALWAYS_INLINE F fma(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 ALWAYS_INLINE F add(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
 ALWAYS_INLINE F fma(float a, F b, F c) { return {_mm512_fmadd_ps(_mm512_set1_ps(a), b.v, c.v)}; }
 ALWAYS_INLINE F mul(F a, float b) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(b))}; }
+ALWAYS_INLINE F floats16(const float* p) { return {_mm512_loadu_ps(p)}; }  // 16 floats
+ALWAYS_INLINE F mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
 ALWAYS_INLINE void store(F a, float* o) { _mm512_storeu_ps(o, a.v); }
-ALWAYS_INLINE __mmask16 first(int64_t n) { return n >= TILE ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-ALWAYS_INLINE F load_first(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(first(n), p)}; }  // zeros after
-ALWAYS_INLINE void store_first(F a, float* o, int64_t n) { _mm512_mask_storeu_ps(o, first(n), a.v); }
 ALWAYS_INLINE F halves(const uint8_t* p) {  // 16 fp16
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+ALWAYS_INLINE F evens(const uint16_t* p) {  // 16 pairs of bf16: the first of each, widened (a shift)
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16))};
+}
+ALWAYS_INLINE F odds(const uint16_t* p) {  // and the second of each (the low half cleared)
+  return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(0xFFFF0000)))};
 }
 ALWAYS_INLINE F bytes(const uint8_t* p) {  // 16 int8
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
@@ -44,16 +50,11 @@ BF16_TARGET ALWAYS_INLINE Pairs pair(const uint16_t* p) {  // one pair, in every
   return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
 }
 BF16_TARGET ALWAYS_INLINE F dot_pairs(F acc, Pairs x, Pairs w) { return {_mm512_dpbf16_ps(acc.v, x, w)}; }  // acc + x.w
-BF16_TARGET ALWAYS_INLINE void round_first(const float* x, uint16_t* o, int64_t n) {  // n <= 16 floats -> bf16, nearest
-  const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first(n), x));  // even (below 2^-126: zero)
-  _mm256_mask_storeu_epi16(o, first(n), reinterpret_cast<const __m256i&>(h));
-}
 
 #if defined(LAB_VNNI)  // Q4_1's integer products: compiled for AVX512-VNNI (VNNI_TARGET), run where the CPU has it
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 using I = __m512i;  // 16 int32 lanes, or 64 bytes
 ALWAYS_INLINE I izero() { return _mm512_setzero_si512(); }
-ALWAYS_INLINE F floats(const float* p) { return {_mm512_loadu_ps(p)}; }  // 16 floats
 ALWAYS_INLINE float max_abs(F a, F b) {  // the largest |value| of a's and b's lanes
   return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a.v), _mm512_abs_ps(b.v)));
 }

@@ -4,6 +4,7 @@
 constexpr const char* ISA = "scalar";
 constexpr int ACC = 1;
 constexpr int RMAX = 1;
+constexpr int FMA_TILES = 1, FMA_ROWS = 1;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
 struct F {
   float v[TILE];
 };
@@ -24,10 +25,35 @@ ALWAYS_INLINE F add(F a, F b) {
   for (int i = 0; i < TILE; ++i) a.v[i] += b.v[i];
   return a;
 }
+ALWAYS_INLINE F floats16(const float* p) {
+  F f;
+  std::copy_n(p, TILE, f.v);
+  return f;
+}
+ALWAYS_INLINE F mul(F a, F b) {
+  for (int i = 0; i < TILE; ++i) a.v[i] *= b.v[i];
+  return a;
+}
 ALWAYS_INLINE void store(F a, float* o) { std::copy_n(a.v, TILE, o); }
 ALWAYS_INLINE F halves(const uint8_t* p) {
   F f;
   for (int i = 0; i < TILE; ++i) f.v[i] = c10::detail::fp16_ieee_to_fp32_value(p[2 * i] | p[2 * i + 1] << 8);
+  return f;
+}
+ALWAYS_INLINE F evens(const uint16_t* p) {  // 16 pairs of bf16: the first of each, widened
+  F f;
+  for (int i = 0; i < TILE; ++i) {
+    const uint32_t v = static_cast<uint32_t>(p[2 * i]) << 16;
+    std::memcpy(&f.v[i], &v, 4);
+  }
+  return f;
+}
+ALWAYS_INLINE F odds(const uint16_t* p) {  // and the second of each
+  F f;
+  for (int i = 0; i < TILE; ++i) {
+    const uint32_t v = static_cast<uint32_t>(p[2 * i + 1]) << 16;
+    std::memcpy(&f.v[i], &v, 4);
+  }
   return f;
 }
 ALWAYS_INLINE F bytes(const uint8_t* p) {
