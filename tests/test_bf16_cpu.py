@@ -71,3 +71,19 @@ def test_x_rounds_to_nearest_even_with_subnormals_as_zeros():
     want[0, 4:6] = 0.0
     assert torch.equal(y, want)
     assert y[0, 0] == 1.0 and y[0, 1] == 1 + 2**-6 and y[0, 15] != 0
+
+
+@pytest.mark.parametrize("n,k", [(130, 1536), (37, 576), (16, 32), (5, 2)])
+def test_the_tiles_kernel_gives_the_same_bits(n, k):
+    """bf16_tiles_linear (tiles widened into cache, an fp32 FMA kernel) sums in bf16_linear's order: the same bits,
+    x in fp32 or already rounded, whatever the rows."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    packed = lab.bf16_pack(w)
+    for t in (1, 5, 6, 7, 64, 300):
+        x = torch.randn(t, k + 8, generator=g)[:, 4:k + 4]
+        bias, residual = torch.randn(n, generator=g), torch.randn(t, n, generator=g)
+        for args in ((None, None), (bias, residual)):
+            assert torch.equal(lab.bf16_tiles_linear(x, packed, n, *args), lab.bf16_linear(x, packed, n, *args))
+        xb = x.contiguous().bfloat16()
+        assert torch.equal(lab.bf16_tiles_linear(xb, packed, n, None, None), lab.bf16_linear(xb, packed, n, None, None))

@@ -65,9 +65,9 @@ class FlatModel:
         self.lm_head, self.layers = build_layers(hf_model, weights, self.dtype, self.ops, q_scale, gguf, take)
         self.compiled_step = CompiledStep(self._traced)  # steps through torch.compile (forward's `compiled`)
         self._lab_layers: dict[int, tuple | None] = {}  # row bucket -> lab.layers' weights and kinds, or None
-        # (in, out) -> {"choice": per bucket, "ms": timings}: fp32's products and GGUF's kernels (bf16 has one)
+        # (in, out) -> {"choice": per bucket, "ms": timings}: fp32's products, GGUF's and bf16's kernels
         self.kernels = choose_kernels(self.products, kernel if weights == "model" else None, remeasure, self.device,
-                                      self.dtype) if weights in ("model", "gguf") else {}
+                                      self.dtype)
 
     @property
     def products(self) -> list:

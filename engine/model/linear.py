@@ -7,10 +7,12 @@ native lab.layers call takes for it, engine/kernels/build.py).
 Dense: the model's own values in its dtype, through the product chosen for each row bucket (engine/kernels/choice.py),
   holding only the layouts those products read.
 Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp: vdpbf16ps
-  on AVX512-BF16, elsewhere the pairs widened to fp32 and summed with FMA: the same sums).
+  on AVX512-BF16, elsewhere the pairs widened to fp32 and summed with FMA; or tiles widened into cache: the same sums),
+  the kernel chosen per row bucket.
 GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the native kernels (engine/kernels/csrc/quant.cpp),
   which dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32; on a CPU with
-  AVX512-VNNI Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32.
+  AVX512-VNNI Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32; or
+  dequantize a group of tiles into cache for an fp32 FMA kernel; the kernel chosen per row bucket.
 """
 import numpy as np
 import torch
@@ -89,9 +91,11 @@ class Dense:
 
 
 class Bf16Dense:
-    """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32, by the native kernel
+    """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32, by the native kernels
     (vdpbf16ps where the CPU has AVX512-BF16: `avx512_bf16`; elsewhere the pairs widened in registers and summed with
-    FMA, the same sums). Without the native kernels the level is refused: no other product computes these numbers."""
+    FMA: the same sums), per row bucket the one measured faster (`products`: "bf16", or "bf16_tiles", a group of tiles
+    widened into cache once for an fp32 FMA kernel: the same sums too). Without the native kernels the level is
+    refused: no other product computes these numbers."""
 
     def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
         if ops is None:
@@ -103,6 +107,8 @@ class Bf16Dense:
         self.bias = None if bias is None else bias.detach().float()
         self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
         self.w = ops.bf16_pack(w_out_in.detach())
+        self.family, self.candidates = "bf16", ("bf16", "bf16_tiles")  # engine/kernels/choice.py measures these
+        self.products = ["bf16"] * len(BUCKETS)
 
     @property
     def weight_bytes(self) -> int:
@@ -119,13 +125,21 @@ class Bf16Dense:
         return f"bf16: pairs widened to fp32, FMA sums ({self.isa})"
 
     def kernel(self, bucket: int) -> str:
+        if self.products[bucket] == "bf16_tiles":
+            return f"bf16_tiles ({self.isa} FMA)"
         return "bf16 (vdpbf16ps)" if self.avx512_bf16 else f"bf16 (widened, {self.isa} FMA)"
 
     def lab_args(self, bucket: int) -> tuple:
-        return build.PRODUCTS.index("bf16"), self.w, self.n, self.bias
+        return build.PRODUCTS.index(self.products[bucket]), self.w, self.n, self.bias
+
+    def hold(self, products) -> None:
+        """The packed pairs serve every candidate."""
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.ops.bf16_linear(x, self.w, self.shape[1], self.bias, residual)
+        return self.product(self.products[bucket(x.shape[0])], x, residual)
+
+    def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return getattr(self.ops, f"{name}_linear")(x, self.w, self.shape[1], self.bias, residual)
 
 
 class GgufDense:

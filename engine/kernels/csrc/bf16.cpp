@@ -7,6 +7,7 @@
 // the same sums (tests/test_bf16_cpu.py compares their bits).
 #include "native.h"
 #include "ops.h"
+#include "tiles.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -28,12 +29,12 @@ bool bf16_native() {
 
 // x rounded to bf16, nearest even, as AVX512-BF16's conversion rounds: inputs below 2^-126 count as zeros (sign kept),
 // a NaN stays a (quiet) NaN.
-static inline uint16_t bf16_bits(float x) {
+static inline uint16_t bf16_bits(float x) {  // branch-free: loops over it vectorize
   uint32_t u;
   std::memcpy(&u, &x, 4);
-  if ((u & 0x7F800000) == 0) return (u >> 16) & 0x8000;
-  if ((u & 0x7FFFFFFF) > 0x7F800000) return (u >> 16) | 0x40;
-  return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+  const uint32_t nearest = (u + 0x7FFF + ((u >> 16) & 1)) >> 16, zero = (u >> 16) & 0x8000, nan = (u >> 16) | 0x40;
+  const uint32_t r = (u & 0x7F800000) == 0 ? zero : nearest;
+  return static_cast<uint16_t>((u & 0x7FFFFFFF) > 0x7F800000 ? nan : r);
 }
 
 // w [N, K] float -> bf16 [ceil(N/16) * K * 16]: tile i, pair j holds rows 16i..16i+15's inputs 2j, 2j+1 interleaved.
@@ -208,23 +209,28 @@ static void run(const char* xp, int64_t size, int64_t xs, const uint16_t* wp, in
   });
 }
 
-// x [T, K] float32 (rows may be strided; rounded to bf16 here) or bf16 (contiguous) times w (bf16_pack's, n
-// outputs) -> [T, n] float32 (+ bias [n]) (+ residual [T, n]).
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
-  const bool rounded = x.scalar_type() == at::kBFloat16;
-  if (rounded) {
+// The checks of a product's arguments: x [T, K] float32 (rows may be strided) or bf16 (contiguous), w bf16_pack's
+// for [n, K], bias [n], residual [T, n].
+static void check_args(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual) {
+  if (x.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x: a contiguous bfloat16 CPU tensor is needed");
   } else {
     check(x, "x");
   }
-  const int64_t T = x.size(0), K = x.size(1), tiles = (n + TILE - 1) / TILE;
+  const int64_t K = x.size(1), tiles = (n + TILE - 1) / TILE;
   TORCH_CHECK(x.dim() == 2 && K % 2 == 0 && w.scalar_type() == at::kBFloat16 && w.numel() == tiles * TILE * K,
               "bf16_linear: x [T, K] and w packed by bf16_pack for [n, K] are needed");
   if (bias) TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat, "bias [n]");
   if (residual) check(*residual, "residual");
+}
+
+// x [T, K] float32 (rows may be strided; rounded to bf16 here) or bf16 (contiguous) times w (bf16_pack's, n
+// outputs) -> [T, n] float32 (+ bias [n]) (+ residual [T, n]).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual) {
+  check_args(x, w, n, bias, residual);
+  const int64_t T = x.size(0), K = x.size(1);
   at::Tensor xb = x;
-  if (!rounded) {
+  if (x.scalar_type() != at::kBFloat16) {
     const float* xf = x.data_ptr<float>();
     const int64_t xs = x.stride(0);
     xb = bf16_rows(x, T, K, [&](int64_t t, float*) { return xf + t * xs; });
@@ -245,5 +251,45 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, cons
   const at::Tensor xf = xb.to(at::kFloat);
   run(reinterpret_cast<const char*>(xf.data_ptr<float>()), 4, K, wp, K, op, n, T, bp, rp, rs, FMA_TILES, FMA_ROWS,
       [](int64_t nt, int64_t rows) { return pick<false, FMA_TILES, FMA_ROWS>(nt, rows); });
+  return out;
+}
+
+// The same product by the FMA kernel over tiles widened once into cache (tiles.h), each pair's second weight before
+// its first and x's pairs swapped to match: the very sums of bf16_linear (the same order), faster where x has many
+// rows.
+at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias,
+                             const Opt& residual) {
+  check_args(x, w, n, bias, residual);
+  const int64_t T = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({T, n}, x.options().dtype(at::kFloat));
+  static thread_local std::vector<float> xf;  // x's pairs swapped, rounded: kept from call to call (no fresh pages)
+  xf.resize(std::max<size_t>(xf.size(), T * K));
+  const bool rounded = x.scalar_type() == at::kBFloat16;  // xb: x's bf16, else xp: its floats
+  const auto* xb = rounded ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xp = rounded ? nullptr : x.data_ptr<float>();
+  float* fp = xf.data();
+  parallel(0, T, grain_of(K), [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> row(K);
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* r = xb ? xb + t * K : row.data();
+      if (!xb)
+        for (int64_t k = 0; k < K; ++k) row[k] = bf16_bits(xp[t * x.stride(0) + k]);
+      auto* o = reinterpret_cast<uint32_t*>(fp + t * K);
+      for (int64_t k = 0; k < K; k += 2) {  // x's pairs swapped, widened
+        o[k] = static_cast<uint32_t>(r[k + 1]) << 16;
+        o[k + 1] = static_cast<uint32_t>(r[k]) << 16;
+      }
+    }
+  });
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const Out a{fp, K, bias ? bias->data_ptr<float>() : nullptr, residual ? residual->data_ptr<float>() : nullptr,
+              residual ? residual->stride(0) : 0, out.data_ptr<float>(), n};
+  tiled_product(a, T, K, [&](int64_t t, float* o) {
+    const uint16_t* p = wp + t * TILE * K;
+    for (int64_t j = 0; j < K / 2; ++j) {
+      store(odds(p + j * TILE * 2), o + 2 * j * TILE);
+      store(evens(p + j * TILE * 2), o + (2 * j + 1) * TILE);
+    }
+  });
   return out;
 }

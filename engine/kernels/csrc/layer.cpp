@@ -71,6 +71,10 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       NAMED("bf16_linear");
       return bf16_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
     }
+    case BF16_TILES: {
+      NAMED("bf16_tiles_linear");
+      return bf16_tiles_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
+    }
   }
   TORCH_CHECK(false, "layer: unknown product kind ", kind);
 }
@@ -78,12 +82,12 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
 // The input of a product of `kind`: a bf16 product's already rounded to bf16 (the rounding it would do itself).
 static at::Tensor norm(int64_t kind, const at::Tensor& x, const at::Tensor& w, double eps) {
   NAMED("rms_norm");
-  return kind == BF16 ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
+  return kind == BF16 || kind == BF16_TILES ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
 }
 
 static at::Tensor silu(int64_t kind, const at::Tensor& gu) {
   NAMED("silu_mul");
-  return kind == BF16 ? bf16_silu_mul(gu) : silu_mul(gu);
+  return kind == BF16 || kind == BF16_TILES ? bf16_silu_mul(gu) : silu_mul(gu);
 }
 
 // x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down

@@ -36,6 +36,7 @@ TORCH_LIBRARY(lab, m) {
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def("bf16_tiles_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");  // same sums
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");  // rms_norm and silu_mul rounded to bf16
   m.def("bf16_silu_mul(Tensor gu) -> Tensor");
   m.def("layers(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
@@ -61,6 +62,7 @@ TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("q8_0_rows", q8_0_rows);
   m.impl("bf16_pack", bf16_pack);
   m.impl("bf16_linear", bf16_linear);
+  m.impl("bf16_tiles_linear", bf16_tiles_linear);
   m.impl("bf16_rms_norm", bf16_rms_norm);
   m.impl("bf16_silu_mul", bf16_silu_mul);
   m.impl("layers", layers);

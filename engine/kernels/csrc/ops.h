@@ -35,6 +35,8 @@ bool q4_1_fixed_point();  // Q4_1's products run in fixed point (built with LAB_
 // bf16.cpp: bf16 products
 at::Tensor bf16_pack(const at::Tensor& w);
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
+at::Tensor bf16_tiles_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias,
+                             const Opt& residual);
 at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor bf16_silu_mul(const at::Tensor& gu);
 bool bf16_native();  // the bf16 products run here (built for AVX-512, on a CPU with AVX512-BF16)

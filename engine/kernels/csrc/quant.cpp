@@ -10,6 +10,7 @@
 
 #include "native.h"
 #include "ops.h"
+#include "tiles.h"
 
 constexpr int64_t QK = 32;    // weights per block
 
@@ -139,23 +140,6 @@ struct Operands {  // one product's: out [T, N] = x [T, K] W^T + bias + residual
   int64_t T, N, Kb;
 };
 
-// The sums of NT tiles (the first at columns 16 i) for rows t0 to t0 + R - 1, plus bias and residual, into out.
-template <int NT, int R>
-static inline void finish(const Operands& a, F (&acc)[NT][R], int64_t i, int64_t t0) {
-  float o[NT][R][TILE];
-  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) store(acc[t][r], o[t][r]);
-  for (int t = 0; t < NT; ++t)
-    for (int r = 0; r < R; ++r) {
-      const int64_t n0 = (i + t) * TILE, row = t0 + r;
-      for (int64_t l = 0; l < std::min(TILE, a.N - n0); ++l) {
-        float v = o[t][r][l];
-        if (a.bias) v += a.bias[n0 + l];
-        if (a.res) v += a.res[row * a.rs + n0 + l];
-        a.out[row * a.N + n0 + l] = v;
-      }
-    }
-}
-
 // NT tiles (the first at w, its columns from 16 i on, the next `ts` bytes on) times rows t0 to t0 + R - 1 of x.
 template <class Q, int NT, int R>
 static void tiles(const Operands& a, const uint8_t* w, int64_t ts, int64_t i, int64_t t0) {
@@ -266,31 +250,6 @@ static Kernel kernel_for(int r, bool wide) {
   return wide ? tiles<Q, std::max(1, ACC / R), R> : tiles<Q, 1, R>;
 }
 
-// NT dequantized tiles (at o, K x 16 floats each: weight k of each row at o + 16 k) times rows t0 to t0 + R - 1
-// of x (a.x, `xs` floats apart): each row's sum over k in order, with FMA, whatever R.
-template <int NT, int R>
-static void fma_tiles(const Operands& a, int64_t xs, const float* o, int64_t K, int64_t i, int64_t t0) {
-  F acc[NT][R];
-  UNROLL for (int t = 0; t < NT; ++t) UNROLL for (int r = 0; r < R; ++r) acc[t][r] = zero();
-  const float* x = a.x + t0 * xs;
-  for (int64_t k = 0; k < K; ++k) UNROLL for (int t = 0; t < NT; ++t) {
-    const F v = floats16(o + (t * K + k) * TILE);
-    UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(x[r * xs + k], v, acc[t][r]);
-  }
-  finish<NT, R>(a, acc, i, t0);
-}
-
-using FmaKernel = void (*)(const Operands&, int64_t, const float*, int64_t, int64_t, int64_t);
-
-template <int G = FMA_TILES, int R = FMA_ROWS>
-static FmaKernel fma_kernel_for(int64_t nt, int64_t r) {  // nt tiles (at most G), r rows (at most R)
-  if constexpr (G > 1)
-    if (nt < G) return fma_kernel_for<G - 1, R>(nt, r);
-  if constexpr (R > 1)
-    if (r < R) return fma_kernel_for<G, R - 1>(nt, r);
-  return fma_tiles<G, R>;
-}
-
 // The checks of a product's arguments: x [T, K] float32 (K a positive multiple of 32), packed w [N, K/32 * B],
 // bias [N], residual [T, N].
 template <class Q>
@@ -326,30 +285,21 @@ static std::vector<uint8_t> widened_last(const uint8_t* wp, int64_t N, int64_t K
 }
 
 // x [T, K] float32 (rows may be strided), w packed [N, K/32 * B], bias [N], residual [T, N] -> [T, N] float32, each
-// group of FMA_TILES tiles dequantized once into the thread's cache (d * q (+ m) in fp32: the fp32 copy's values),
+// group of tiles (tile_group) dequantized once into the thread's cache (d * q (+ m) in fp32: the fp32 copy's values),
 // then run against every row of x by an fp32 FMA kernel: a row's sum in order of k (the same bits whatever T).
 template <class Q>
 static at::Tensor dequantized(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   check_args<Q>(x, w, bias, residual);
-  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B;
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B, full = N / TILE;
   at::Tensor out = at::empty({T, N}, x.options());
-  const Operands a{x.data_ptr<float>(), nullptr, nullptr, nullptr, bias ? bias->data_ptr<float>() : nullptr,
-                   residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0,
-                   out.data_ptr<float>(), T, N, Kb};
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t tiles = (N + TILE - 1) / TILE, full = N / TILE, groups = (tiles + FMA_TILES - 1) / FMA_TILES;
-  parallel(0, groups, 1, [&](int64_t begin, int64_t end) {
-    const std::vector<uint8_t> last = end * FMA_TILES > full ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
-    std::vector<float> o(FMA_TILES * K * TILE);  // the group's weights, dequantized
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t t0 = g * FMA_TILES, nt = std::min<int64_t>(FMA_TILES, tiles - t0);
-      for (int64_t t = 0; t < nt; ++t) {
-        const uint8_t* p = t0 + t < full ? wp + (t0 + t) * ts : last.data();
-        for (int64_t b = 0; b < Kb; ++b) Q::dequantize(p + b * TILE * Q::B, o.data() + (t * K + b * QK) * TILE);
-      }
-      for (int64_t r = 0; r < T; r += FMA_ROWS)
-        fma_kernel_for(nt, std::min<int64_t>(FMA_ROWS, T - r))(a, x.stride(0), o.data(), K, t0, r);
-    }
+  const std::vector<uint8_t> last = N % TILE ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
+  const Out a{x.data_ptr<float>(), x.stride(0), bias ? bias->data_ptr<float>() : nullptr,
+              residual ? residual->data_ptr<float>() : nullptr, residual ? residual->stride(0) : 0,
+              out.data_ptr<float>(), N};
+  tiled_product(a, T, K, [&](int64_t t, float* o) {
+    const uint8_t* p = t < full ? wp + t * ts : last.data();
+    for (int64_t b = 0; b < Kb; ++b) Q::dequantize(p + b * TILE * Q::B, o + b * QK * TILE);
   });
   return out;
 }
