@@ -22,8 +22,9 @@ def reference(x, w, bias=None, residual=None):
     return want, scale
 
 
+@pytest.mark.parametrize("op", ["bf16_linear", "bf16_tiles_linear", "bf16_mm_linear"])
 @pytest.mark.parametrize("n,k", [(16, 32), (20, 64), (37, 576), (80, 96), (130, 1536), (5, 2)])
-def test_bf16_linear_equals_the_rounded_product(n, k):
+def test_bf16_linear_equals_the_rounded_product(n, k, op):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g)
     packed = lab.bf16_pack(w)
@@ -31,7 +32,7 @@ def test_bf16_linear_equals_the_rounded_product(n, k):
         x = torch.randn(t, k + 16, generator=g)[:, 8:k + 8]  # rows strided
         bias, residual = torch.randn(n, generator=g), torch.randn(t, 2 * n, generator=g)[:, :n]
         for args in ((None, None), (bias, residual)):
-            y = lab.bf16_linear(x, packed, n, *args)
+            y = getattr(lab, op)(x, packed, n, *args)
             want, scale = reference(x, w, *args)
             assert y.dtype == torch.float32 and y.shape == (t, n)
             assert ((y.double() - want).abs() / (scale + 1e-30)).max().item() < 2e-6

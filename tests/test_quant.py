@@ -22,7 +22,8 @@ lab = native.ops()
 pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
 SHAPES = [(16, 32), (20, 64), (37, 576), (48, 1536), (5, 96), (960, 576)]  # N, K: tiles whole and partial
 ROWS = [1, 2, 3, 5, 8, 64, 300]
-KERNELS = ["", "_tiles"]  # the per-row block kernel and the dequantized tiles' (q4_1_linear, q4_1_tiles_linear)
+KERNELS = ["", "_tiles"]  # the per-row block kernel and the dequantized tiles' (q4_1_linear, q4_1_tiles_linear): a
+ALL = [*KERNELS, "_mm"]  # row's bits whatever the rows beside it; and the whole-matrix GEMM's (q4_1_mm_linear)
 
 
 def q4_1_blocks(rng, n, k):
@@ -71,7 +72,7 @@ def test_synthetic_blocks_hold_what_gguf_reads():
     assert np.array_equal(dequantized("q8_0", raw).numpy(), np.repeat(d.astype(np.float32), 32, 1) * q)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ALL)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_linear_equals_the_dequantized_product(kind, n, k, kernel):
@@ -101,7 +102,7 @@ def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k, kernel):
         assert torch.equal(linear(x[i:i + 3], w, None, None), together[i:i + 3])
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", ALL)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_activations_of_any_magnitude(kind, kernel):
     """Rows of zeros, of tiny or huge values, and of values 40 orders of magnitude apart in one block, to fp32
@@ -166,6 +167,7 @@ def test_fake_shapes():
         assert lab.q8_0_linear(x, w8, None, None).shape == (3, 20)
         assert lab.q4_1_tiles_linear(x, lab.q4_1_pack(w), None, None).shape == (3, 20)
         assert lab.q8_0_tiles_linear(x, w8, None, None).shape == (3, 20)
+        assert lab.q4_1_mm_linear(x, lab.q4_1_pack(w), None, None).shape == (3, 20)
         assert lab.q8_0_rows(w8, mode.from_tensor(torch.tensor([1, 2]))).shape == (2, 64)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from engine import machine
 
-BUCKETS = (1, 4, 16, 64, 256)  # rows a candidate is measured at (256: chunked and whole-prompt prefills)
+BUCKETS = (1, 4, 16, 64, 256, 1024)  # rows a candidate is measured at (256: chunked prefills, 1024: whole prompts)
 STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
 REPEATS = 5
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this

@@ -99,7 +99,7 @@ class Bf16Dense:
 
     def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
         if ops is None:
-            raise RuntimeError(f"precision bf16 needs the lab's native kernels, which are not built here: {build.error}")
+            raise RuntimeError(f"precision bf16 needs the lab's native kernels, not built here: {build.error}")
         caps = build.capabilities()
         self.avx512_bf16, self.isa = caps["bf16_dot"], caps["isa"]
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
@@ -107,7 +107,7 @@ class Bf16Dense:
         self.bias = None if bias is None else bias.detach().float()
         self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
         self.w = ops.bf16_pack(w_out_in.detach())
-        self.family, self.candidates = "bf16", ("bf16", "bf16_tiles")  # engine/kernels/choice.py measures these
+        self.family, self.candidates = "bf16", ("bf16", "bf16_tiles", "bf16_mm")  # choice.py measures these
         self.products = ["bf16"] * len(BUCKETS)
 
     @property
@@ -125,8 +125,9 @@ class Bf16Dense:
         return f"bf16: pairs widened to fp32, FMA sums ({self.isa})"
 
     def kernel(self, bucket: int) -> str:
-        if self.products[bucket] == "bf16_tiles":
-            return f"bf16_tiles ({self.isa} FMA)"
+        name = self.products[bucket]
+        if name != "bf16":
+            return {"bf16_tiles": f"bf16_tiles ({self.isa} FMA)", "bf16_mm": "bf16_mm (ATen GEMM)"}[name]
         return "bf16 (vdpbf16ps)" if self.avx512_bf16 else f"bf16 (widened, {self.isa} FMA)"
 
     def lab_args(self, bucket: int) -> tuple:
@@ -145,15 +146,16 @@ class Bf16Dense:
 class GgufDense:
     """A weight [out, in] as GGUF blocks (`fmt`: "q4_1" or "q8_0"), packed once for the native kernels, through the
     kernel chosen for the step's row count (`products`, per row bucket, measured: engine/kernels/choice.py): `fmt`
-    (the blocks dequantized in registers, per row of x) or `fmt`_tiles (a group of tiles dequantized once into the
-    thread's cache, then an fp32 FMA kernel against every row: faster where the products are compute-bound)."""
+    (the blocks dequantized in registers, per row of x), `fmt`_tiles (a group of tiles dequantized once into the
+    thread's cache, then an fp32 FMA kernel against every row: faster where the products are compute-bound) or
+    `fmt`_mm (the weights dequantized whole for ATen's (MKL's) GEMM: for prefills)."""
 
     def __init__(self, blocks: np.ndarray, fmt: str, in_features: int, ops, bias: torch.Tensor | None = None):
         self.fmt, self.ops, self.bias = fmt, ops, None if bias is None else bias.detach().float()
         self.packed = getattr(ops, f"{fmt}_pack")(torch.from_numpy(np.array(blocks, copy=True)))
         self.shape = torch.Size((in_features, blocks.shape[0]))  # (in, out)
         self.dtype, self.device = torch.float32, torch.device("cpu")  # what goes in and comes out
-        self.family, self.candidates = fmt, (fmt, f"{fmt}_tiles")  # engine/kernels/choice.py measures these
+        self.family, self.candidates = fmt, (fmt, f"{fmt}_tiles", f"{fmt}_mm")  # choice.py measures these
         self.products = [fmt] * len(BUCKETS)
 
     @property

@@ -75,6 +75,18 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       NAMED("bf16_tiles_linear");
       return bf16_tiles_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
     }
+    case Q4_1_MM: {
+      NAMED("q4_1_mm_linear");
+      return q4_1_mm_linear(x, w, bias, residual);
+    }
+    case Q8_0_MM: {
+      NAMED("q8_0_mm_linear");
+      return q8_0_mm_linear(x, w, bias, residual);
+    }
+    case BF16_MM: {
+      NAMED("bf16_mm_linear");
+      return bf16_mm_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
+    }
   }
   TORCH_CHECK(false, "layer: unknown product kind ", kind);
 }
@@ -82,12 +94,12 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
 // The input of a product of `kind`: a bf16 product's already rounded to bf16 (the rounding it would do itself).
 static at::Tensor norm(int64_t kind, const at::Tensor& x, const at::Tensor& w, double eps) {
   NAMED("rms_norm");
-  return kind == BF16 || kind == BF16_TILES ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
+  return kind == BF16 || kind == BF16_TILES || kind == BF16_MM ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
 }
 
 static at::Tensor silu(int64_t kind, const at::Tensor& gu) {
   NAMED("silu_mul");
-  return kind == BF16 || kind == BF16_TILES ? bf16_silu_mul(gu) : silu_mul(gu);
+  return kind == BF16 || kind == BF16_TILES || kind == BF16_MM ? bf16_silu_mul(gu) : silu_mul(gu);
 }
 
 // x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down

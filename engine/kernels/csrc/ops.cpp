@@ -33,6 +33,9 @@ TORCH_LIBRARY(lab, m) {
   m.def("q8_0_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q4_1_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // tiles dequantized,
   m.def("q8_0_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // fp32 FMA kernel
+  m.def("q4_1_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // dequantized whole,
+  m.def("q8_0_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // ATen's GEMM
+  m.def("bf16_mm_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
@@ -59,6 +62,9 @@ TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("q8_0_linear", q8_0_linear);
   m.impl("q4_1_tiles_linear", q4_1_tiles_linear);
   m.impl("q8_0_tiles_linear", q8_0_tiles_linear);
+  m.impl("q4_1_mm_linear", q4_1_mm_linear);
+  m.impl("q8_0_mm_linear", q8_0_mm_linear);
+  m.impl("bf16_mm_linear", bf16_mm_linear);
   m.impl("q8_0_rows", q8_0_rows);
   m.impl("bf16_pack", bf16_pack);
   m.impl("bf16_linear", bf16_linear);

@@ -29,6 +29,9 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor q4_1_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor q4_1_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor q8_0_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+at::Tensor bf16_mm_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids);
 bool q4_1_fixed_point();  // Q4_1's products run in fixed point (built with LAB_VNNI, on a CPU with AVX512-VNNI)
 

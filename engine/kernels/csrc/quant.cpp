@@ -6,6 +6,9 @@
 // Q4_1 on a CPU with AVX512-VNNI (built with LAB_VNNI): each block's x in fixed point (x * 2^e rounded to an integer,
 // e the block's own: |x * 2^e| < 2^30, so an error of at most 2^-31 of the block's largest |x|) held in 4 signed
 // bytes, the codes' sums exact in integers (byte dot products), then d * 2^-e * sum + m * sum(x) in fp32 as above.
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
+
 #include <cstring>
 
 #include "native.h"
@@ -304,6 +307,38 @@ static at::Tensor dequantized(const at::Tensor& x, const at::Tensor& w, const Op
   return out;
 }
 
+// packed w [N, K/32 * B] -> its weights [N, K] float32, as gguf dequantizes them.
+template <class Q>
+static at::Tensor unpacked(const at::Tensor& w) {
+  const int64_t N = w.size(0), Kb = w.size(1) / Q::B, K = Kb * QK, ts = TILE * Kb * Q::B, full = N / TILE;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const std::vector<uint8_t> last = N % TILE ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  parallel(0, (N + TILE - 1) / TILE, grain_of(TILE * K), [&](int64_t begin, int64_t end) {
+    float o[QK * TILE];  // a block of the tile's 16 rows, weight k's at o + 16 k
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* p = i < full ? wp + i * ts : last.data();
+      for (int64_t b = 0; b < Kb; ++b) {
+        Q::dequantize(p + b * TILE * Q::B, o);
+        for (int64_t r = 0; r < std::min(TILE, N - i * TILE); ++r)
+          for (int64_t k = 0; k < QK; ++k) op[(i * TILE + r) * K + b * QK + k] = o[k * TILE + r];
+      }
+    }
+  });
+  return out;
+}
+
+// The same product by ATen's (MKL's) GEMM on the weights dequantized whole: fastest where x has many rows (a row's
+// sums then in MKL's order, which may depend on the rows beside it).
+template <class Q>
+static at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  check_args<Q>(x, w, bias, residual);
+  const at::Tensor W = unpacked<Q>(w).t();
+  at::Tensor y = bias ? at::addmm(*bias, x, W) : residual ? at::addmm(*residual, x, W) : at::mm(x, W);
+  return bias && residual ? y.add_(*residual) : y;
+}
+
 // x [T, K] float32 (rows may be strided), w packed [N, K/32 * B], bias [N], residual [T, N] -> [T, N] float32
 template <class Q>
 static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
@@ -392,6 +427,12 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias
 }
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   return linear<Q8_0>(x, w, bias, residual);
+}
+at::Tensor q4_1_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  return gemm<Q4_1>(x, w, bias, residual);
+}
+at::Tensor q8_0_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
+  return gemm<Q8_0>(x, w, bias, residual);
 }
 at::Tensor q4_1_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   return dequantized<Q4_1>(x, w, bias, residual);
