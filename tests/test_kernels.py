@@ -264,3 +264,11 @@ def test_the_kernel_table_names_what_each_level_runs(tiny_llama):
     bf16 = FlatModel(tiny_llama, weights="bf16")
     assert table["levels"]["bf16"]["qkv"] == [bf16.layers[0].qkv.kernel(b) for b in range(len(kernels.BUCKETS))]
     assert all(k.startswith("bf16") for ks in table["levels"]["bf16"].values() for k in ks)
+
+
+def test_pinned_kernels_run_one_kernel_at_every_row_count(tiny_llama):
+    """pin_kernels(b): every product runs bucket b's kernel at any row count (check_precision's decode arithmetic)."""
+    net = FlatModel(tiny_llama, weights="bf16")
+    chosen = [d.products[0] for d in net.products]
+    net.pin_kernels(0)
+    assert [d.products for d in net.products] == [[c] * len(kernels.BUCKETS) for c in chosen]

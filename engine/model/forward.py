@@ -74,6 +74,13 @@ class FlatModel:
         """Every matrix product of a step: the LM head, then each layer's qkv, o, gate/up and down."""
         return [self.lm_head, *(d for layer in self.layers for d in layer.products)]
 
+    def pin_kernels(self, bucket: int) -> None:
+        """Every product runs, at any row count, the kernel chosen for row bucket `bucket` (accuracy checks: the
+        arithmetic decode steps run, measured on long teacher-forced passes)."""
+        for d in self.products:
+            d.products = [d.products[bucket]] * len(d.products)
+        self._lab_layers.clear()
+
     @property
     def step_bytes(self) -> int:
         """Bytes of weights one step reads: every product's weight once, in the layout it multiplies."""

@@ -172,10 +172,13 @@ class GgufDense:
 
     @property
     def arithmetic(self) -> str:
-        if self._fixed_point and self.fmt in self.products:
-            return ("q4_1: x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling; "
-                    "d * q + m in fp32 where tiles are dequantized")
-        return f"{self.fmt}: fp32"
+        parts = []
+        if self.fmt in self.products:
+            parts.append("x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
+                         if self._fixed_point else "fp32")
+        if set(self.products) - {self.fmt}:
+            parts.append("d * q + m dequantized, fp32 products (tiles or GEMM)")
+        return f"{self.fmt}: " + "; ".join(parts)
 
     def kernel(self, bucket: int) -> str:
         name = self.products[bucket]
