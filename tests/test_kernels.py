@@ -71,7 +71,7 @@ def test_measured_again_a_near_tie_keeps_the_earlier_choice(tiny_llama, tmp_path
     FlatModel(tiny_llama, kernel=None)
     near, far = 1 + kernels.MARGIN / 2, 1 + kernels.MARGIN * 2
 
-    def rigged(mats, device):  # `linear` fastest everywhere; `in_out` a near tie at 1 row, far behind elsewhere
+    def rigged(mats, device, names):  # `linear` fastest everywhere; `in_out` a near tie at 1 row, far behind elsewhere
         ms = {str(r): {"in_out": near if r == 1 else far, "linear": 1.0, "packed": far} for r in kernels.BUCKETS}
         return {"ms": ms, "choice": ["linear"] * len(kernels.BUCKETS)}
 
@@ -197,7 +197,7 @@ def test_past_streamed_rows_a_share_of_the_matrices_is_timed_and_scaled_to_all(m
 
     monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
     n = 8
-    out = kernels.measure([Mat() for _ in range(n)], torch.device("cpu"))
+    out = kernels.measure([Mat() for _ in range(n)], torch.device("cpu"), CPU)
     calls = len(CPU) * (kernels.REPEATS + 1)  # warm-up and repeats, every candidate
     for rows in kernels.BUCKETS:
         timed = min(n, max(1, n * kernels.STREAMED // rows))

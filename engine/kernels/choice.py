@@ -84,13 +84,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(mats: list, device: torch.device) -> dict:
+def measure(mats: list, device: torch.device, names: tuple[str, ...]) -> dict:
     """{"ms": {rows: {candidate: median ms over all of `mats`}}, "choice": [fastest candidate per bucket]} for the
     Dense objects `mats` (one shape; each holds every candidate's layout while measured). Past STREAMED rows a
     product is compute-bound: a share of the matrices is timed and the time scaled to all of them."""
     din, dtype = mats[0].shape[0], mats[0].dtype
     ms, choice = {}, []
-    names = mats[0].candidates if getattr(mats[0], "family", None) else candidates(device, dtype)
     for rows in BUCKETS:
         x = torch.randn(rows, din, dtype=dtype, device=device)
         some = mats[:max(1, len(mats) * STREAMED // rows)]
@@ -143,7 +142,7 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         if remeasure or not valid:
             for m in mats:
                 m.hold(runs)
-            fresh = measure(mats, device)
+            fresh = measure(mats, device, runs)
             if valid:
                 fresh["choice"] = steady(cached[entry]["choice"], fresh)
             cached[entry], changed = fresh, True

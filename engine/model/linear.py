@@ -105,9 +105,10 @@ class Bf16Dense:
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
         self.dtype, self.device = torch.float32, w_out_in.device
         self.bias = None if bias is None else bias.detach().float()
-        self.ops, self.n = ops, torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
+        self.n = torch.tensor(w_out_in.shape[0])  # outputs: lab.layers reads them from this tensor
         self.w = ops.bf16_pack(w_out_in.detach())
         self.family, self.candidates = "bf16", ("bf16", "bf16_tiles", "bf16_mm")  # choice.py measures these
+        self._ops = {c: getattr(ops, f"{c}_linear") for c in self.candidates}  # looked up once, not per product
         self.products = ["bf16"] * len(BUCKETS)
 
     @property
@@ -140,7 +141,7 @@ class Bf16Dense:
         return self.product(self.products[bucket(x.shape[0])], x, residual)
 
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return getattr(self.ops, f"{name}_linear")(x, self.w, self.shape[1], self.bias, residual)
+        return self._ops[name](x, self.w, self.shape[1], self.bias, residual)
 
 
 class GgufDense:
@@ -156,6 +157,7 @@ class GgufDense:
         self.shape = torch.Size((in_features, blocks.shape[0]))  # (in, out)
         self.dtype, self.device = torch.float32, torch.device("cpu")  # what goes in and comes out
         self.family, self.candidates = fmt, (fmt, f"{fmt}_tiles", f"{fmt}_mm")  # choice.py measures these
+        self._ops = {c: getattr(ops, f"{c}_linear") for c in self.candidates}  # looked up once, not per product
         self.products = [fmt] * len(BUCKETS)
 
     @property
@@ -194,7 +196,7 @@ class GgufDense:
         return self.product(self.products[bucket(x.shape[0])], x, residual)
 
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return getattr(self.ops, f"{name}_linear")(x, self.packed, self.bias, residual)
+        return self._ops[name](x, self.packed, self.bias, residual)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (an embedding lookup), fp32."""

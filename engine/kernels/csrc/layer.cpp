@@ -91,15 +91,17 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
   TORCH_CHECK(false, "layer: unknown product kind ", kind);
 }
 
+static bool rounds_x(int64_t kind) { return kind == BF16 || kind == BF16_TILES || kind == BF16_MM; }  // bf16's kinds
+
 // The input of a product of `kind`: a bf16 product's already rounded to bf16 (the rounding it would do itself).
 static at::Tensor norm(int64_t kind, const at::Tensor& x, const at::Tensor& w, double eps) {
   NAMED("rms_norm");
-  return kind == BF16 || kind == BF16_TILES || kind == BF16_MM ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
+  return rounds_x(kind) ? bf16_rms_norm(x, w, eps) : rms_norm(x, w, eps);
 }
 
 static at::Tensor silu(int64_t kind, const at::Tensor& gu) {
   NAMED("silu_mul");
-  return kind == BF16 || kind == BF16_TILES || kind == BF16_MM ? bf16_silu_mul(gu) : silu_mul(gu);
+  return rounds_x(kind) ? bf16_silu_mul(gu) : silu_mul(gu);
 }
 
 // x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down
