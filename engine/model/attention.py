@@ -8,6 +8,7 @@ Spans: each token against its own keys, read in place (the native CPU kernel): a
   sequence's block rows, from the window's start (or 0) to itself.
 Padded: any step with torch's operators: decodes against a view of the seats (or their keys gathered through their
   block tables), prompt chunks padded to the longest against a gather of their keys.
+ByLayer: layers of different windows (Gemma 3's sliding and full layers): each layer the path of its window.
 
 The sliding-window rule is `window_start`; every mask and span the runner builds reads it.
 """
@@ -125,11 +126,19 @@ class Padded:
 
 
 @dataclass
+class ByLayer:
+    layers: list                       # each layer's path (layers of one window share one)
+
+    def attend(self, net, layer: int, q, k, v, cache) -> torch.Tensor:
+        return self.layers[layer].attend(net, layer, q, k, v, cache)
+
+
+@dataclass
 class StepInputs:
     """One step's tensors, shared by every layer."""
     ids: torch.Tensor                  # [T] token ids
     positions: torch.Tensor            # [T] each token's position in its sequence
     places: torch.Tensor               # [T] the seat (slot cache) or block (paged) that holds each token's K/V
     logit_rows: torch.Tensor           # the tokens whose logits are taken
-    attention: DenseDecode | EqualPrompts | Spans | Padded
+    attention: DenseDecode | EqualPrompts | Spans | Padded | ByLayer
     end: int                           # one past the largest position (known on the host: no read-back)

@@ -1,4 +1,5 @@
-"""One forward pass over a flattened, ragged batch of tokens for Llama-family models (Llama, Mistral, Qwen2).
+"""One forward pass over a flattened, ragged batch of tokens for Llama-family models (Llama, Mistral, Qwen2) and
+Gemma 3 (gemma3_text).
 
 FlatModel holds the layers engine/model/weights.py builds from a Hugging Face model (their products in
 engine/model/linear.py's storages). Each layer's attention is the step's path from engine/model/attention.py (softmax
@@ -8,7 +9,11 @@ SiLU x up, KV writes and attention (but that of whole prompts of one length) run
 runs every layer in one native call (lab.layers) where each product is one it calls, the Python layer loop
 otherwise. A step may run through torch.compile (`compiled`), which traces the Python loop.
 A config is checked first (engine/model/support.py): a field whose effect this pass does not compute is refused by
-name. A sliding window (Mistral; Qwen2 with every layer windowed) is only a mask: the cache keeps every position.
+name. A sliding window (Mistral; Qwen2 with every layer windowed; Gemma 3's sliding layers) is only a mask: the
+cache keeps every position.
+Gemma 3 runs the Python layer loop (with the native products, rotary and attention): its norms (1 + w, computed in
+fp32 as Hugging Face does, on the hidden state, on each q and k head, and on the attention's and the MLP's outputs
+before their residuals), GeGLU and per-layer rotary tables are not what lab.layers computes.
 """
 import torch
 import torch.nn.functional as F
@@ -18,7 +23,15 @@ from engine.kernels.choice import bucket
 from engine.model.attention import DenseDecode, Spans, StepInputs
 from engine.model.compiled import CompiledStep
 from engine.model.kv_cache import CatCache
-from engine.model.support import ACTIVATIONS, attention_window, check_supported
+from engine.model.support import (
+    GEMMA,
+    activation,
+    attention_scale,
+    check_supported,
+    embed_scale,
+    layer_windows,
+    rope_keys,
+)
 from engine.model.weights import WEIGHTS, build_layers, choose_kernels, held_bytes, scales
 
 KV_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # conf/precision: `kv_dtype`
@@ -38,14 +51,19 @@ class FlatModel:
         check_supported(hf_model)
         cfg, m = hf_model.config, hf_model.model
         self.generation_config = hf_model.generation_config  # its end-of-sequence ids (engine.loader.eos_ids)
-        self.window = attention_window(cfg)  # tokens each query attends (itself included); None = all before it
+        self.gemma = cfg.model_type in GEMMA
+        self.windows = layer_windows(cfg)  # each layer's tokens a query attends (itself included); None = all before it
+        self.window = self.windows[0] if len(set(self.windows)) == 1 else None  # the one all layers share, if any
+        keys = rope_keys(cfg)
+        self.rope_keys = list(dict.fromkeys(keys))  # the rotary tables a step computes (Gemma 3: per layer type)
+        self.rope_index = [self.rope_keys.index(k) for k in keys]  # each layer's table
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
         self.eps = cfg.rms_norm_eps
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = activation(cfg)
         if weights not in WEIGHTS:
             raise ValueError(f"weights {weights!r}: choose one of {WEIGHTS}")
         self.weights, self.device = weights, m.embed_tokens.weight.device
@@ -57,9 +75,11 @@ class FlatModel:
         self.ops = build.ops() if native_kernels and fp32_cpu else None
         if weights == "gguf" and self.ops is None:
             raise ValueError(f"GGUF weights need the native CPU kernels (fp32 on a CPU): {build.error}")
-        q_scale, self.attn_scale = scales(self.head_dim, weights)  # attn_scale: what the attention still applies
+        # attn_scale: what the attention still applies (Gemma 3's q norm follows the product: nothing folded)
+        q_scale, self.attn_scale = scales(attention_scale(cfg, self.head_dim), weights, foldable=not self.gemma)
         self.embed = m.embed_tokens.weight if weights != "gguf" else None  # gguf: the head's rows (lm_head.rows)
-        self.norm = m.norm.weight.to(self.dtype)
+        self.embed_scale = embed_scale(cfg, self.dtype)  # Gemma 3: sqrt(hidden) in the activations' dtype
+        self.norm = (1.0 + m.norm.weight.float()) if self.gemma else m.norm.weight.to(self.dtype)
         self.rotary = m.rotary_emb
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of positions [0, 2^k) (_rope)
         self.lm_head, self.layers = build_layers(hf_model, weights, self.dtype, self.ops, q_scale, gguf, take)
@@ -96,7 +116,7 @@ class FlatModel:
         """Bytes of every tensor the engine holds for the weights (shared ones once; packed copies included)."""
         tensors = [self.embed, self.norm, *self.lm_head.tensors]  # a tied head's [out, in] weight is the embedding
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_norm, *(t for d in layer.products for t in d.tensors)]
+            tensors += [*layer.norms, *(t for d in layer.products for t in d.tensors)]
         return held_bytes(tensors)
 
     @property
@@ -119,7 +139,9 @@ class FlatModel:
     def _forward(self, inputs: StepInputs, cache, traced: bool = False) -> torch.Tensor:
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         x = F.embedding(inputs.ids, self.embed) if self.embed is not None else self.lm_head.rows(inputs.ids)
-        cos, sin = self._rope(inputs.positions, inputs.end, traced=traced)  # [T, D]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        cos, sin = self._rope(inputs.positions, inputs.end, traced=traced)  # [T, D x tables]
         T = inputs.ids.shape[0]
         rows = cache.rows(inputs.places, inputs.positions)  # flat cache rows of this step's tokens
         args = self._lab_args(T, inputs.attention) if not traced and not isinstance(cache, CatCache) else None
@@ -130,13 +152,21 @@ class FlatModel:
             x = self.ops.layers(x, *args, cos, sin, cache.k, cache.v, rows, spans, keys, bias, seats, length, H,
                                 self.eps, self.attn_scale)
             return self.lm_head(self._norm(x[inputs.logit_rows], self.norm)).float()
+        ropes = [(cos, sin)] if len(self.rope_keys) == 1 else \
+            [(c.contiguous(), s.contiguous()) for c, s in zip(cos.split(D, -1), sin.split(D, -1))]
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.input_norm))
-            qk = self._rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)  # q and k together
+            qk = qkv[:, :(H + KV) * D].view(T, H + KV, D)  # q and k together
+            if layer.qk_norm is not None:
+                qk = self._norm(qk, layer.qk_norm)
+            qk = self._rotary(qk, *ropes[self.rope_index[i]])
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
             cache.write(i, rows, k, v, self.ops)
-            attn = inputs.attention.attend(self, i, q, k, v, cache)
-            x = layer.o(attn.reshape(T, H * D), residual=x)  # a view on real devices (attn is contiguous)
+            attn = inputs.attention.attend(self, i, q, k, v, cache).reshape(T, H * D)  # a view on real devices
+            if layer.attn_out_norm is None:
+                x = layer.o(attn, residual=x)
+            else:
+                x = x + self._norm(layer.o(attn), layer.attn_out_norm)
             if T <= MLP_ROWS:
                 x = self._mlp(x, layer)
             else:
@@ -145,9 +175,9 @@ class FlatModel:
 
     def _lab_args(self, rows: int, attention) -> tuple | None:
         """Every layer's weights and product kinds, one after another, for lab.layers at this row count, or None where
-        the Python loop runs: no native kernels, another activation than SiLU, attention other than DenseDecode or
-        Spans, more rows than MLP_ROWS, or a product lab.layers does not call."""
-        if self.ops is None or self.act is not F.silu or rows > MLP_ROWS \
+        the Python loop runs: no native kernels, Gemma 3, another activation than SiLU, attention other than
+        DenseDecode or Spans, more rows than MLP_ROWS, or a product lab.layers does not call."""
+        if self.ops is None or self.gemma or self.act is not F.silu or rows > MLP_ROWS \
                 or not isinstance(attention, (DenseDecode, Spans)):
             return None
         b = bucket(rows)
@@ -165,14 +195,20 @@ class FlatModel:
         return self._lab_layers[b]
 
     def _norm(self, x, w):
+        """RMS norm over the last dim, times w. Gemma 3: in fp32 in Hugging Face's order (x widened, normalized, times
+        w = 1 + its weight, then cast back); w may be [heads, D] for x [T, heads, D]."""
+        if self.gemma:
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
         if self.ops is not None:
             return self.ops.rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _rope(self, positions: torch.Tensor, end: int, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, D] of each position (all below `end`), sin's first half negated (rotate_half(x) * sin =
-        swap(x) * this): rows of a table the model's rotary module computed once for positions [0, 2^k)
-        (its frequencies are fixed: engine/model/support.py), grown when a step reaches past it; a traced step
+        """cos and sin [T, D x tables] of each position (all below `end`), one [T, D] block per rotary table
+        (rope_keys), sin's first half negated (rotate_half(x) * sin = swap(x) * this): rows of a table the model's
+        rotary module computed once for positions [0, 2^k) (its frequencies are fixed: engine/model/support.py),
+        grown when a step reaches past it; a traced step
         computes its own (no table that grows under torch.compile)."""
         if traced:
             return self._rope_rows(positions)
@@ -182,9 +218,10 @@ class FlatModel:
         return cos[positions], sin[positions]
 
     def _rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        D = self.head_dim
-        cos, sin = self.rotary(self.norm, positions[None])  # its x argument gives only the dtype and device
-        return cos[0], torch.cat([-sin[0, :, :D // 2], sin[0, :, D // 2:]], dim=-1)
+        D, x = self.head_dim, self.norm.to(self.dtype)  # x gives the rotary module only the dtype and device
+        tables = [self.rotary(x, positions[None], *([] if key is None else [key])) for key in self.rope_keys]
+        return (torch.cat([cos[0] for cos, _ in tables], dim=-1),
+                torch.cat([t for _, sin in tables for t in (-sin[0, :, :D // 2], sin[0, :, D // 2:])], dim=-1))
 
     def _rotary(self, qk, cos, sin):
         """qk [T, heads, D]: x * cos + x with its halves swapped * sin (cos, sin [T, D]; sin's first half negated); in
@@ -196,9 +233,11 @@ class FlatModel:
         return qk.view(T, heads, 2, D // 2).flip(2).view(qk.shape).mul_(sin[:, None]).addcmul_(qk, cos[:, None])
 
     def _mlp(self, x, layer):
-        """x + down(act(gate) * up) of rms_norm(x)."""
+        """x + down(act(gate) * up) of rms_norm(x) (Gemma 3: x + rms_norm(down(...)))."""
         gu = layer.gate_up(self._norm(x, layer.post_norm))
         if self.ops is not None and self.act is F.silu:
             return layer.down(self.ops.silu_mul(gu), residual=x)
         gate, up = gu.chunk(2, dim=-1)
+        if layer.mlp_out_norm is not None:
+            return x + self._norm(layer.down(self.act(gate) * up), layer.mlp_out_norm)
         return layer.down(self.act(gate) * up, residual=x)

@@ -1,10 +1,13 @@
-"""A llama-family GGUF file's linear weights read as stored (engine/model/linear.py's GgufDense multiplies them):
-rows in Hugging Face's order (q and k rows un-permuted as transformers' GGUF loader does), q/k/v and gate/up
-concatenated as the engine's layers hold them (engine/model/weights.py)."""
+"""A GGUF file's linear weights read as stored (engine/model/linear.py's GgufDense multiplies them): rows in Hugging
+Face's order (a llama-family file's q and k rows un-permuted as transformers' GGUF loader does; Gemma 3's are stored
+in that order already), q/k/v and gate/up concatenated as the engine's layers hold them (engine/model/weights.py),
+parts of different block formats side by side (GgufDense multiplies each in its own)."""
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-GGUF_KINDS = {GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}  # the block formats read
+Q = GGMLQuantizationType
+GGUF_KINDS = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0", Q.Q4_K: "q4_k", Q.Q5_0: "q5_0", Q.Q6_K: "q6_k"}  # the formats read
+UNPERMUTED = ("gemma3", "gemma3_text")  # model types whose q/k rows llama.cpp stores in Hugging Face's order
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -15,8 +18,10 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_layers(path, config) -> tuple[dict, list[dict]]:
     """({"embed": (blocks, fmt, in)}, per layer {"qkv"|"o"|"gate_up"|"down": (blocks [out, bytes], fmt, in)}) from a
-    GGUF file, rows in Hugging Face's order; fails naming any tensor stored in a format it does not read."""
+    GGUF file, rows in Hugging Face's order; a concatenated product whose parts differ in format is (the parts'
+    blocks, their formats, in) as tuples. Fails naming any tensor stored in a format it does not read."""
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    permuted = getattr(config, "model_type", None) not in UNPERMUTED
 
     def read(name: str, heads: int | None = None):
         if name not in tensors:
@@ -26,16 +31,20 @@ def gguf_layers(path, config) -> tuple[dict, list[dict]]:
             raise ValueError(f"{name} is stored as {t.tensor_type.name}; precision=w4 reads "
                              f"{[k.name for k in GGUF_KINDS]}")
         blocks = np.asarray(t.data)
-        return (blocks if heads is None else _unpermute(blocks, heads)), GGUF_KINDS[t.tensor_type], int(t.shape[0])
+        if heads is not None and permuted:
+            blocks = _unpermute(blocks, heads)
+        return blocks, GGUF_KINDS[t.tensor_type], int(t.shape[0])
 
     def joined(*parts):
-        fmts = {p[1] for p in parts}
-        if len(fmts) != 1:
-            raise ValueError(f"weights concatenated into one product have different formats {sorted(fmts)}")
-        return np.concatenate([p[0] for p in parts]), parts[0][1], parts[0][2]
+        if len({p[1] for p in parts}) == 1:
+            return np.concatenate([p[0] for p in parts]), parts[0][1], parts[0][2]
+        return tuple(p[0] for p in parts), tuple(p[1] for p in parts), parts[0][2]
 
     H, KV = config.num_attention_heads, config.num_key_value_heads
     embed = read("token_embd.weight")
+    if embed[1] != "q8_0":
+        raise ValueError(f"token_embd.weight is stored as {embed[1].upper()}; precision=w4 reads embedding rows from "
+                         "Q8_0 blocks only")
     if "output.weight" in tensors:
         raise ValueError("the GGUF file has an untied output head; precision=w4 reads tied embeddings only")
     layers = []

@@ -9,11 +9,14 @@ Dense: the model's own values in its dtype, through the product chosen for each 
 Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp: vdpbf16ps
   on AVX512-BF16, elsewhere the pairs widened to fp32 and summed with FMA; or tiles widened into cache: the same sums),
   the kernel chosen per row bucket.
-GgufDense: a GGUF file's Q4_1 or Q8_0 blocks as stored, products by the native kernels (engine/kernels/csrc/quant.cpp),
-  which dequantize in registers (d * q + m, the very values the fp32 copy holds) and sum in fp32; on a CPU with
-  AVX512-VNNI Q4_1 sums each block's codes times x exactly in integers, x in 30-bit fixed point per block of 32; or
-  dequantize a group of tiles into cache for an fp32 FMA kernel; the kernel chosen per row bucket.
+GgufDense: a GGUF file's blocks as stored (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; the parts of a concatenated product each in
+  its own), products by the native kernels (engine/kernels/csrc/quant.cpp), which dequantize in registers (the very
+  values the fp32 copy holds) and sum in fp32; on a CPU with AVX512-VNNI Q4_1 sums each block's codes times x exactly
+  in integers, x in 30-bit fixed point per block of 32; or dequantize a group of tiles into cache for an fp32 FMA
+  kernel; the kernel chosen per row bucket.
 """
+import itertools
+
 import numpy as np
 import torch
 
@@ -145,20 +148,36 @@ class Bf16Dense:
 
 
 class GgufDense:
-    """A weight [out, in] as GGUF blocks (`fmt`: "q4_1" or "q8_0"), packed once for the native kernels, through the
-    kernel chosen for the step's row count (`products`, per row bucket, measured: engine/kernels/choice.py): `fmt`
-    (the blocks dequantized in registers, per row of x), `fmt`_tiles (a group of tiles dequantized once into the
-    thread's cache, then an fp32 FMA kernel against every row: faster where the products are compute-bound) or
-    `fmt`_mm (the weights dequantized whole for ATen's (MKL's) GEMM: for prefills)."""
+    """A weight [out, in] as GGUF blocks (`fmt`: one of build.GGUF_FORMATS), packed once for the native kernels,
+    through the kernel chosen for the step's row count (`products`, per row bucket, measured:
+    engine/kernels/choice.py): `fmt` (the blocks dequantized in registers, per row of x), `fmt`_tiles (a group of
+    tiles dequantized once into the thread's cache, then an fp32 FMA kernel against every row: faster where the
+    products are compute-bound) or `fmt`_mm (the weights dequantized whole for ATen's (MKL's) GEMM: for prefills).
+    Parts of different formats (`blocks` and `fmt` tuples, rows one after another) are one product: each part's
+    kernel gives its columns (candidates "q5_0+q8_0", "q5_0_tiles+q8_0_tiles"...: the same kernel for every part).
+    A product named for another format (the chooser measures a shape's matrices together, whatever their formats)
+    runs this weight's kernel of the same kind (blocks, tiles or GEMM)."""
 
-    def __init__(self, blocks: np.ndarray, fmt: str, in_features: int, ops, bias: torch.Tensor | None = None):
-        self.fmt, self.ops, self.bias = fmt, ops, None if bias is None else bias.detach().float()
-        self.packed = getattr(ops, f"{fmt}_pack")(torch.from_numpy(np.array(blocks, copy=True)))
-        self.shape = torch.Size((in_features, blocks.shape[0]))  # (in, out)
+    def __init__(self, blocks, fmt, in_features: int, ops, bias: torch.Tensor | None = None):
+        parts = list(zip(blocks, fmt)) if isinstance(fmt, tuple) else [(blocks, fmt)]
+        parts = [(np.concatenate([b for b, _ in run]), f)  # neighbours of one format: one part
+                 for f, run in ((f, list(run)) for f, run in itertools.groupby(parts, key=lambda p: p[1]))]
+        self.fmts, self.fmt, self.ops = tuple(f for _, f in parts), "+".join(f for _, f in parts), ops
+        self.bias = None if bias is None else bias.detach().float()
+        packed = [getattr(ops, f"{f}_pack")(torch.from_numpy(np.array(b, copy=True))) for b, f in parts]
+        self.packed = packed[0] if len(packed) == 1 else torch.cat([p.flatten() for p in packed])  # one buffer
+        self.views, self.columns, offset = [], [0], 0  # each part's packed blocks in it; its first column
+        for p in packed:
+            self.views.append(self.packed.view(-1)[offset:offset + p.numel()].view(p.shape))
+            self.columns.append(self.columns[-1] + p.shape[0])
+            offset += p.numel()
+        self.shape = torch.Size((in_features, self.columns[-1]))  # (in, out)
         self.dtype, self.device = torch.float32, torch.device("cpu")  # what goes in and comes out
-        self.family, self.candidates = fmt, (fmt, f"{fmt}_tiles", f"{fmt}_mm")  # choice.py measures these
-        self._ops = {c: getattr(ops, f"{c}_linear") for c in self.candidates}  # looked up once, not per product
-        self.products = [fmt] * len(BUCKETS)
+        self.family = self.fmt  # choice.py measures the candidates:
+        self.candidates = tuple("+".join(f + k for f in self.fmts) for k in ("", "_tiles", "_mm"))
+        self._ops = {c: [getattr(ops, f"{n}_linear") for n in c.split("+")] for c in self.candidates}  # looked up once
+        self._tables = {}  # candidate -> lab.layers' table of parts (segments)
+        self.products = [self.candidates[0]] * len(BUCKETS)
 
     @property
     def weight_bytes(self) -> int:
@@ -170,24 +189,34 @@ class GgufDense:
 
     @property
     def _fixed_point(self) -> bool:
-        return self.fmt == "q4_1" and build.capabilities()["q4_1_vnni"]
+        return "q4_1" in self.fmts and build.capabilities()["q4_1_vnni"]
+
+    def _own(self, name: str) -> str:
+        """This weight's candidate of the kind of the product `name` (blocks, tiles or GEMM), whatever its format."""
+        return self.candidates[2 if name.endswith("_mm") else 1 if name.endswith("_tiles") else 0]
 
     @property
     def arithmetic(self) -> str:
-        parts = []
-        if self.fmt in self.products:
+        parts, own = [], {self._own(n) for n in self.products}
+        if self.candidates[0] in own:
             parts.append("x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
                          if self._fixed_point else "fp32")
-        if set(self.products) - {self.fmt}:
-            parts.append("d * q + m dequantized, fp32 products (tiles or GEMM)")
+        if own - {self.candidates[0]}:
+            parts.append("weights dequantized, fp32 products (tiles or GEMM)")
         return f"{self.fmt}: " + "; ".join(parts)
 
     def kernel(self, bucket: int) -> str:
-        name = self.products[bucket]
+        name = self._own(self.products[bucket])
         return f"{name} (AVX512-VNNI)" if name == "q4_1" and self._fixed_point else name
 
     def lab_args(self, bucket: int) -> tuple:
-        return build.PRODUCTS.index(self.products[bucket]), self.packed, None, self.bias
+        name = self._own(self.products[bucket])
+        if len(self.fmts) == 1:
+            return build.PRODUCTS.index(name), self.packed, None, self.bias
+        if name not in self._tables:  # per part: its kind, outputs and bytes
+            self._tables[name] = torch.tensor([[build.PRODUCTS.index(n), v.shape[0], v.numel()]
+                                               for n, v in zip(name.split("+"), self.views)])
+        return build.PRODUCTS.index("segments"), self.packed, self._tables[name], self.bias
 
     def hold(self, products) -> None:
         """The packed blocks serve every candidate."""
@@ -196,7 +225,15 @@ class GgufDense:
         return self.product(self.products[bucket(x.shape[0])], x, residual)
 
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self._ops[name](x, self.packed, self.bias, residual)
+        ops = self._ops.get(name)
+        if ops is None:  # a product named for another format: this weight's of its kind, found once
+            ops = self._ops[name] = self._ops[self._own(name)]
+        if len(ops) == 1:
+            return ops[0](x, self.packed, self.bias, residual)
+        cols = list(zip(self.columns, self.columns[1:]))
+        return torch.cat([op(x, w, None if self.bias is None else self.bias[a:b],
+                             None if residual is None else residual[:, a:b])
+                          for op, w, (a, b) in zip(ops, self.views, cols)], 1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (an embedding lookup), fp32."""

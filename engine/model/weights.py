@@ -14,6 +14,7 @@ import torch
 from engine.kernels import choice
 from engine.model.gguf import gguf_layers
 from engine.model.linear import Bf16Dense, Dense, GgufDense
+from engine.model.support import GEMMA
 
 WEIGHTS = ("model", "bf16", "gguf")  # how the engine stores the weights (conf/precision: `weights`)
 
@@ -23,20 +24,28 @@ class Layer:
     input_norm: torch.Tensor           # [hidden] RMS norm weight before the attention
     qkv: object                        # q, k and v projections side by side (a linear.py storage)
     o: object                          # the attention's output projection
-    post_norm: torch.Tensor            # [hidden] RMS norm weight before the MLP
+    post_norm: torch.Tensor            # [hidden] RMS norm weight before the MLP (Gemma 3: pre_feedforward_layernorm)
     gate_up: object                    # gate and up projections side by side
     down: object                       # the MLP's down projection
+    attn_out_norm: torch.Tensor | None = None  # Gemma 3: [hidden] norm of the attention's output, before the residual
+    mlp_out_norm: torch.Tensor | None = None   # Gemma 3: [hidden] norm of the MLP's output, before the residual
+    qk_norm: torch.Tensor | None = None        # Gemma 3: [q heads + kv heads, head_dim] each head's norm weight
 
     @property
     def products(self) -> tuple:
         return self.qkv, self.o, self.gate_up, self.down
 
+    @property
+    def norms(self) -> list[torch.Tensor]:
+        return [n for n in (self.input_norm, self.post_norm, self.attn_out_norm, self.mlp_out_norm, self.qk_norm)
+                if n is not None]
 
-def scales(head_dim: int, weights: str) -> tuple[float, float]:
-    """(factor folded into the q rows, factor the attention still applies): head_dim^-0.5 goes into the q rows when
-    it is a power of two (scaling the weights is then exact) and the weights are values (not GGUF blocks)."""
-    scale = head_dim ** -0.5
-    if weights != "gguf" and math.log2(scale).is_integer():
+
+def scales(scale: float, weights: str, foldable: bool = True) -> tuple[float, float]:
+    """(factor folded into the q rows, factor the attention still applies) for an attention scale: it goes into the q
+    rows when it is a power of two (scaling the weights is then exact), the weights are values (not GGUF blocks) and
+    nothing between the product and the attention would undo it (`foldable`; Gemma 3's q norm would)."""
+    if foldable and weights != "gguf" and math.log2(scale).is_integer():
         return scale, 1.0
     return 1.0, scale
 
@@ -74,10 +83,12 @@ def _taken(*args, **kwargs):
 @torch.no_grad()
 def build_layers(hf_model, weights: str, dtype: torch.dtype, ops, q_scale: float, gguf=None,
                  take: bool = False) -> tuple[object, list[Layer]]:
-    """(LM head, layers) in the storage `weights`; norms in `dtype` (the activations'); ops: the native kernels
-    (engine/kernels/build.py) or None; q_scale: the factor folded into the q rows (`scales`); gguf: the GGUF file's
-    path (weights "gguf": the head is the tied embedding's blocks)."""
-    m = hf_model.model
+    """(LM head, layers) in the storage `weights`; norms in `dtype` (the activations'; Gemma 3's as 1 + w in fp32,
+    as its norm computes them); ops: the native kernels (engine/kernels/build.py) or None; q_scale: the factor
+    folded into the q rows (`scales`); gguf: the GGUF file's path (weights "gguf": the head is the tied embedding's
+    blocks)."""
+    m, cfg = hf_model.model, hf_model.config
+    gemma = cfg.model_type in GEMMA
     blocks = gguf_layers(gguf, hf_model.config) if weights == "gguf" else None
     make = {"model": Dense, "bf16": lambda w, b=None: Bf16Dense(w, b, ops)}.get(weights)
     lm_head = make(hf_model.lm_head.weight) if make else GgufDense(*blocks[0]["embed"], ops)
@@ -95,13 +106,25 @@ def build_layers(hf_model, weights: str, dtype: torch.dtype, ops, q_scale: float
                 ("qkv", [a.q_proj, a.k_proj, a.v_proj]), ("o", [a.o_proj]),
                 ("gate_up", [mlp.gate_proj, mlp.up_proj]), ("down", [mlp.down_proj])))
         qkv, o, gate_up, down = products
-        layers.append(Layer(layer.input_layernorm.weight.to(dtype), qkv, o,
-                            layer.post_attention_layernorm.weight.to(dtype), gate_up, down))
+        norms = [norm_weight(n, dtype, gemma) for n in (
+            (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+             layer.post_feedforward_layernorm, a.q_norm, a.k_norm) if gemma
+            else (layer.input_layernorm, layer.post_attention_layernorm))]
+        if gemma:  # the q heads' norm weight, then the kv heads'
+            norms[4:] = [torch.cat([norms[4].expand(cfg.num_attention_heads, -1),
+                                    norms[5].expand(cfg.num_key_value_heads, -1)])]
+        layers.append(Layer(norms[0], qkv, o, norms[1], gate_up, down, *norms[2:]))
         if take:
             _release([a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
     if take:
         hf_model.forward = _taken
     return lm_head, layers
+
+
+def norm_weight(norm, dtype: torch.dtype, gemma: bool) -> torch.Tensor:
+    """An RMS norm's weight as the engine multiplies by it: Gemma 3's 1 + w in fp32 (its norm's order: w widened,
+    then 1 added), others' w in the activations' dtype."""
+    return 1.0 + norm.weight.float() if gemma else norm.weight.to(dtype)
 
 
 def choose_kernels(products: list, kernel: str | None, remeasure: bool, device: torch.device,

@@ -89,6 +89,19 @@ def meets_slo(row: dict, share: float) -> bool:
     return row.get("slo_met", 0.0) >= share
 
 
+def meets_limits(row: dict, ttft_limit: float, tpot_limit: float) -> bool:
+    """A summary row's p99 TTFT and p50 TPOT within the limits (s); a run whose requests made one token each (no
+    TPOT) is judged on TTFT alone."""
+    tpot = row.get("tpot_p50_s")
+    return row.get("ttft_p99_s", float("inf")) <= ttft_limit and (tpot is None or tpot != tpot or tpot <= tpot_limit)
+
+
+def capacity_at_slo(rows: list[dict], ttft_limit: float, tpot_limit: float, rate: str = "rate_rps") -> float:
+    """The largest `rate` among summary rows at several loads whose p99 TTFT and p50 TPOT meet the limits
+    (meets_limits); 0.0 when none does."""
+    return max((float(r[rate]) for r in rows if meets_limits(r, ttft_limit, tpot_limit)), default=0.0)
+
+
 def slo_limits(slo, step_s: float) -> tuple[float, float]:
     """(TTFT, TPOT) limits in seconds for a conf/slo entry: absolute (ttft_s, tpot_s), or multiples of the
     measured full-batch decode step (ttft_steps, tpot_steps)."""

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from engine.config import group_entry
 from pipeline.measuring.metrics import meets_slo
-from pipeline.reporting import precision_table, tables
+from pipeline.reporting import precision_table, shaped, tables
+from pipeline.workloads.runs import table_config
 
 
 class MixedMachines(SystemExit):
@@ -90,9 +91,9 @@ def machine_dependence(hw: dict | None) -> str:
             f"B = {knee} (HARDWARE.md); a CPU with twice the bandwidth or wider vector units moves both.")
 
 
-def capacity_answer(rows: list[dict], hw: dict | None, share: float) -> str:
-    """Seed 000's question: capacity at the SLO (met by `share` of a run's requests), the batch size to pick, and
-    what stops a bigger batch."""
+def capacity_answer(rows: list[dict], hw: dict | None, share: float, shaped_result: dict | None = None) -> str:
+    """Seed 000's question: capacity at the SLO (met by `share` of a run's requests), on production-shaped traffic
+    too where data/results/shaped.json is there, the batch size to pick, and what stops a bigger batch."""
     ok = [r for r in rows if meets_slo(r, share)]
     lines = []
     if ok:
@@ -102,6 +103,8 @@ def capacity_answer(rows: list[dict], hw: dict | None, share: float) -> str:
                      f"`{best['point']}` in table {best['table']} (measured).")
     else:
         lines.append("- **Capacity at the SLO**: no run met the SLO.")
+    if shaped_result:
+        lines.append(shaped.capacity_line(shaped_result))
     if hw:
         ridge = hw["ridge_flop_per_byte"]
         knee = next((f["batch"] for f in hw["floors"] if f["regime"] == "compute-bound"), None)
@@ -124,8 +127,9 @@ def static_fill_wait(sim: dict, cfg) -> str:
     """Seed 003's open question: why static's TTFT p99 rises as load falls. A batch waits for max_batch arrivals."""
     rows = {r["value"]: r for r in sim["sweeps"] if r["axis"] == "load.multiple" and r["policy"] == "static"}
     lo, nxt = sorted(rows)[:2]
-    mean_out = cfg.workload.output.mean * cfg.profile.output_scale
-    rate = lo * cfg.load.ref_seats / mean_out / sim["step_s"]  # requests per second at the lightest load
+    swept = table_config(cfg, "all_policies")  # the sweeps' own workload and load (pipeline.modeling.simulation)
+    mean_out = swept.workload.output.mean * cfg.profile.output_scale
+    rate = lo * swept.load.ref_seats / mean_out / sim["step_s"]  # requests per second at the lightest load
     batch = group_entry("policy", "static")["max_batch"]
     fill = (batch - 1) / rate
     return (f"Static's TTFT p99 is {rows[lo]['ttft_p99_s']:.1f} s at load {lo:g} "
@@ -256,13 +260,19 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                              tables.sweep_table(sim, "load.multiple", "load") + "\n\n" + tables.goodput_knees(sim)
                              + "\n\n" + static_fill_wait(sim, cfg)))
         parts.append(section("Output-length spread sweep (simulated)", "Lognormal sigma of output length at load "
-                             "0.8.", tables.sweep_table(sim, "workload.output.sigma", "sigma")))
+                             f"{table_config(cfg, 'all_policies').load.multiple:g}.",
+                             tables.sweep_table(sim, "workload.output.sigma", "sigma")))
         parts.append(section("Seats against reserved KV memory (seed 003 §7, simulated)", "Each seat reserves "
                              "max_request_tokens; KV unused: the reserved K/V the requests did not hold, over all "
                              "steps (the replays' measure, on the simulated steps).", tables.sweep_table(
                                  sim, "policy.max_running", "seats",
                                  ((0, "tokens reserved per seat", lambda r: str(r["reserved_tokens_per_seat"])),
                                   (0, "KV unused", lambda r: f"{r['kv_unused']:.0%}")))))
+    shaped_result = read(results / "shaped.json")
+    if shaped_result:
+        for title, note, body, m in shaped.render(shaped_result, results_by_table.get("all_policies", [])):
+            parts.append(section(title, note + inputs.note(results / "shaped.json"), body))
+            metrics.update(m)
     servers = read(results / "server" / "servers.json")
     if servers:
         metrics.update({f"server.{r['backend'].replace(', ', '-').replace(' ', '_')}.c{r['concurrency']}.{k}":
@@ -279,7 +289,7 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                              score.read_text().split("\n", 2)[-1]))
     all_rows = [r for rows in results_by_table.values() for r in rows]
     parts.append(section("Capacity, batch size and what stops you (seed 000)", "",
-                         capacity_answer(all_rows, hw, float(cfg.slo.share))))
+                         capacity_answer(all_rows, hw, float(cfg.slo.share), shaped_result)))
     timed = {**results_by_table, "engine_speed": speed["rows"] if speed else [],
              "servers": servers["rows"] if servers else []}
     account, m = disturbance(timed)

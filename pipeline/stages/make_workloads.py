@@ -1,5 +1,6 @@
 """Stage make_workloads: every table's workloads, seeded, as parquet (data/workloads/<table>.parquet, a `point`
-column naming each run)."""
+column naming each run; the file's metadata names each production-shaped run's workload: its lengths' label
+("Azure conv lengths / 8"), source, scale, arrivals and burstiness k)."""
 import sys
 
 from engine.config import ROOT
@@ -7,6 +8,18 @@ from pipeline.params import load
 from pipeline.results import write_parquet
 from pipeline.timings import timed_stage
 from pipeline.workloads.generate import table_workloads, tokenizer_and_vocab
+from pipeline.workloads.runs import runs
+
+
+def labelled(cfg, table: str, attrs: dict) -> dict:
+    """The frame's attrs with each shaped run's arrivals (load.process) and gamma burstiness k (None: not gamma)."""
+    shaped = dict(attrs.get("workloads", {}))
+    for name, run_cfg in runs(cfg, table) if shaped else ():
+        if name in shaped:
+            shaped[name] = {**shaped[name], "arrivals": str(run_cfg.load.process),
+                            "burstiness": run_cfg.load.get("burstiness")}
+    return {"workloads": shaped} if shaped else {}
+
 
 if __name__ == "__main__":
     cfg = load([])
@@ -15,5 +28,5 @@ if __name__ == "__main__":
         with timed_stage(f"make_workloads@{table}"):
             out = table_workloads(cfg, table, tok, vocab)
             write_parquet(ROOT / "data" / "workloads" / f"{table}.parquet", out,
-                          {"table": table, "seed": int(cfg.seed)})
+                          {"table": table, "seed": int(cfg.seed), **labelled(cfg, table, out.attrs)})
         print(f"{table}: {out['point'].nunique()} runs, {len(out)} requests")

@@ -1,2 +1,2 @@
-"""Entry points outside dvc repro: the llama.cpp peer, Hydra sweeps, load generation, the busy-neighbour test,
-machine reports, params.yaml."""
+"""Entry points outside dvc repro: the peers (llama.cpp, vLLM, OpenVINO GenAI), Hydra sweeps, load generation,
+the busy-neighbour test, machine reports, params.yaml."""

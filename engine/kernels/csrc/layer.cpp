@@ -6,6 +6,7 @@
 // recorded under its operator's name for the profiler (probe_hardware's split).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/mm.h>
 #include <ATen/record_function.h>
 
@@ -51,22 +52,21 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       static const c10::OperatorHandle op = find("mkldnn::_linear_pointwise");
       return call(op, {x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), ""});
     }
-    case Q4_1: {  // this library's own products: called directly, named for the profiler
-      NAMED("q4_1_linear");
-      return q4_1_linear(x, w, bias, residual);
-    }
-    case Q8_0: {
-      NAMED("q8_0_linear");
-      return q8_0_linear(x, w, bias, residual);
-    }
-    case Q4_1_TILES: {
-      NAMED("q4_1_tiles_linear");
-      return q4_1_tiles_linear(x, w, bias, residual);
-    }
-    case Q8_0_TILES: {
-      NAMED("q8_0_tiles_linear");
-      return q8_0_tiles_linear(x, w, bias, residual);
-    }
+#define LAB_GGUF_CASES(f, Q)                                                                                   \
+  case Q: {                                                                                                    \
+    NAMED(#f "_linear");                                                                                       \
+    return f##_linear(x, w, bias, residual);                                                                   \
+  }                                                                                                            \
+  case Q##_TILES: {                                                                                            \
+    NAMED(#f "_tiles_linear");                                                                                 \
+    return f##_tiles_linear(x, w, bias, residual);                                                             \
+  }                                                                                                            \
+  case Q##_MM: {                                                                                               \
+    NAMED(#f "_mm_linear");                                                                                    \
+    return f##_mm_linear(x, w, bias, residual);                                                                \
+  }
+    LAB_GGUF(LAB_GGUF_CASES)  // this library's own GGUF products: called directly, named for the profiler
+#undef LAB_GGUF_CASES
     case BF16: {  // aux: the number of outputs, a 0-dim int64 tensor
       NAMED("bf16_linear");
       return bf16_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
@@ -75,17 +75,22 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       NAMED("bf16_tiles_linear");
       return bf16_tiles_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
     }
-    case Q4_1_MM: {
-      NAMED("q4_1_mm_linear");
-      return q4_1_mm_linear(x, w, bias, residual);
-    }
-    case Q8_0_MM: {
-      NAMED("q8_0_mm_linear");
-      return q8_0_mm_linear(x, w, bias, residual);
-    }
     case BF16_MM: {
       NAMED("bf16_mm_linear");
       return bf16_mm_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
+    }
+    case SEGMENTS: {  // w: the parts' packed blocks one after another, flat; aux [parts, 3] int64: each part's kind,
+                      // outputs and bytes; each part's product gives its columns of y
+      const auto t = aux->accessor<int64_t, 2>();
+      std::vector<at::Tensor> ys;
+      for (int64_t s = 0, n0 = 0, b0 = 0; s < t.size(0); n0 += t[s][1], b0 += t[s][2], ++s) {
+        const auto part = [&](const std::optional<at::Tensor>& v, int64_t dim) -> std::optional<at::Tensor> {
+          return v ? std::optional<at::Tensor>(v->narrow(dim, n0, t[s][1])) : std::nullopt;
+        };
+        ys.push_back(product(t[s][0], x, w.narrow(0, b0, t[s][2]).view({t[s][1], -1}), std::nullopt, part(bias, 0),
+                             part(residual, 1)));
+      }
+      return at::cat(ys, 1);
     }
   }
   TORCH_CHECK(false, "layer: unknown product kind ", kind);

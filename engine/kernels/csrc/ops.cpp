@@ -27,14 +27,13 @@ TORCH_LIBRARY(lab, m) {
   m.def("token_attention(Tensor q, Tensor k, Tensor v, Tensor spans, Tensor? rows, float scale) -> Tensor");
   m.def("rotary_decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor rows, Tensor? bias, int length, int heads, float scale) -> Tensor");
-  m.def("q4_1_pack(Tensor blocks) -> Tensor");
-  m.def("q8_0_pack(Tensor blocks) -> Tensor");
-  m.def("q4_1_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("q8_0_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
-  m.def("q4_1_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // tiles dequantized,
-  m.def("q8_0_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // fp32 FMA kernel
-  m.def("q4_1_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // dequantized whole,
-  m.def("q8_0_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  // ATen's GEMM
+#define LAB_GGUF_DEF(f, Q)                                                                  \
+  m.def(#f "_pack(Tensor blocks) -> Tensor");                                               \
+  m.def(#f "_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");        \
+  m.def(#f "_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  \
+  m.def(#f "_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  LAB_GGUF(LAB_GGUF_DEF)
+#undef LAB_GGUF_DEF
   m.def("bf16_mm_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
@@ -56,14 +55,13 @@ TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("decode_attention", decode_attention);
   m.impl("token_attention", token_attention);
   m.impl("rotary_decode_attention", rotary_decode_attention);
-  m.impl("q4_1_pack", q4_1_pack);
-  m.impl("q8_0_pack", q8_0_pack);
-  m.impl("q4_1_linear", q4_1_linear);
-  m.impl("q8_0_linear", q8_0_linear);
-  m.impl("q4_1_tiles_linear", q4_1_tiles_linear);
-  m.impl("q8_0_tiles_linear", q8_0_tiles_linear);
-  m.impl("q4_1_mm_linear", q4_1_mm_linear);
-  m.impl("q8_0_mm_linear", q8_0_mm_linear);
+#define LAB_GGUF_IMPL(f, Q)                         \
+  m.impl(#f "_pack", f##_pack);                     \
+  m.impl(#f "_linear", f##_linear);                 \
+  m.impl(#f "_tiles_linear", f##_tiles_linear);     \
+  m.impl(#f "_mm_linear", f##_mm_linear);
+  LAB_GGUF(LAB_GGUF_IMPL)
+#undef LAB_GGUF_IMPL
   m.impl("bf16_mm_linear", bf16_mm_linear);
   m.impl("q8_0_rows", q8_0_rows);
   m.impl("bf16_pack", bf16_pack);

@@ -22,15 +22,16 @@ at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
 at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                            const Opt& rows, double scale);
 
-// quant.cpp: Q4_1 and Q8_0 products
-at::Tensor q4_1_pack(const at::Tensor& blocks);
-at::Tensor q8_0_pack(const at::Tensor& blocks);
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor q4_1_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor q8_0_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor q4_1_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
-at::Tensor q8_0_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+// quant.cpp: the GGUF block formats' products, X(name, format): for each, name_pack (blocks as stored -> tiles),
+// name_linear (per row of x), name_tiles_linear (tiles dequantized into cache), name_mm_linear (ATen's GEMM)
+#define LAB_GGUF(X) X(q4_1, Q4_1) X(q8_0, Q8_0) X(q4_k, Q4_K) X(q5_0, Q5_0) X(q6_k, Q6_K)
+#define LAB_GGUF_DECLARE(f, Q)                                                                                \
+  at::Tensor f##_pack(const at::Tensor& blocks);                                                              \
+  at::Tensor f##_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);       \
+  at::Tensor f##_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual); \
+  at::Tensor f##_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+LAB_GGUF(LAB_GGUF_DECLARE)
+#undef LAB_GGUF_DECLARE
 at::Tensor bf16_mm_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids);
 bool q4_1_fixed_point();  // Q4_1's products run in fixed point (built with LAB_VNNI, on a CPU with AVX512-VNNI)

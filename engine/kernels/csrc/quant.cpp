@@ -1,8 +1,10 @@
-// Products with 4- and 8-bit GGUF weights (Q4_1, Q8_0) for the fused kernels (torch.ops.lab.*, registered in
-// ops.cpp): the weights repacked once in tiles of 16 rows, each block's rows side by side, so that a vector
-// holds one weight of 16 output rows and no sum ever crosses lanes. fp32 throughout: each block adds
-// d * sum(x * q) (+ m * sum(x)) to a row's sum, its codes' sum taken in one fixed order, so that a result row is the
-// same bits whatever the number of rows T beside it. Each thread reads its tiles once for all T rows of x.
+// Products with GGUF weights as stored, in blocks (Q4_1, Q8_0, Q5_0 of 32 weights; Q4_K, Q6_K super-blocks of 256)
+// for the fused kernels (torch.ops.lab.*, registered in ops.cpp): the weights repacked once in tiles of 16 rows,
+// each block's rows side by side, so that a vector holds one weight of 16 output rows and no sum ever crosses lanes.
+// fp32 throughout: Q4_1 and Q8_0 add each block's d * sum(x * q) (+ m * sum(x)) to a row's sum, its codes' sum taken
+// in one fixed order; Q5_0, Q4_K and Q6_K dequantize each weight in registers (the values gguf's dequantization gives)
+// and add x times it to the row's sum in order of k; so a result row is the same bits whatever the number of rows T
+// beside it. Each thread reads its tiles once for all T rows of x.
 // Q4_1 on a CPU with AVX512-VNNI (built with LAB_VNNI): each block's x in fixed point (x * 2^e rounded to an integer,
 // e the block's own: |x * 2^e| < 2^30, so an error of at most 2^-31 of the block's largest |x|) held in 4 signed
 // bytes, the codes' sums exact in integers (byte dot products), then d * 2^-e * sum + m * sum(x) in fp32 as above.
@@ -15,7 +17,7 @@
 #include "ops.h"
 #include "tiles.h"
 
-constexpr int64_t QK = 32;    // weights per block
+constexpr int64_t QK = 32;  // weights per block of Q4_1 and Q8_0 (each format: Q::QK)
 
 // A tile's block, `rows` rows: field after field (d, m, codes...), each field's rows side by side. A row's field j
 // (width bytes, at offset `off` of the row's block as GGUF stores it) lies at `rows * off + r * width`.
@@ -29,7 +31,7 @@ static inline int64_t in_tile(int64_t rows, int64_t off, int64_t width, int64_t 
 // 2^-12 (both exact, for |x| < 2^116): the sum of a block is 2^12 times the plain one, bit for bit, and d * sum the
 // same product.
 struct Q4_1 {
-  static constexpr int64_t B = 20;  // bytes of a row's block
+  static constexpr int64_t QK = ::QK, B = 20;  // weights and bytes of a row's block
   static constexpr int FIELDS = 6;
   static constexpr int64_t width(int j) { return j < 2 ? 2 : 4; }
   static constexpr float scale(int64_t k) {  // of weight k of a block: 2^(12 - 4j)
@@ -73,7 +75,7 @@ struct Q4_1 {
 
 // Q8_0: a row's block is d (fp16) and 32 int8 codes; a weight is d * q. In a tile: d, then the codes a byte at a time.
 struct Q8_0 {
-  static constexpr int64_t B = 34;
+  static constexpr int64_t QK = ::QK, B = 34;
   static constexpr int FIELDS = 33;
   static constexpr int64_t width(int j) { return j ? 1 : 2; }
   static constexpr float scale(int64_t) { return 1.f; }
@@ -96,6 +98,97 @@ struct Q8_0 {
   }
 };
 
+// The formats whose products dequantize each weight in registers: Q::weights(p, sink) calls sink(k, w) for each
+// weight k of a tile's block at p, w its 16 rows' values as gguf dequantizes them (each product rounded as gguf's).
+template <class Q>
+struct Dequantizing {
+  static constexpr float scale(int64_t) { return 1.f; }  // x as it is
+  // acc[t][r] += the block's weights of tile t (at p[t]) times row r of x (x [QK, R]), in order of k.
+  template <int NT, int R>
+  static inline void block(const uint8_t* const* p, const float* x, const float*, F (&acc)[NT][R]) {
+    UNROLL for (int t = 0; t < NT; ++t) Q::weights(p[t], [&](int k, F w) {
+      UNROLL for (int r = 0; r < R; ++r) acc[t][r] = fma(x[k * R + r], w, acc[t][r]);
+    });
+  }
+  static inline void dequantize(const uint8_t* p, float* o) {  // weight k's 16 rows at o + 16 k
+    Q::weights(p, [&](int k, F w) { store(w, o + k * TILE); });
+  }
+};
+
+// Q5_0: a row's block is d (fp16), qh (4 bytes: bit k the fifth bit of weight k), 16 bytes of nibbles (byte i: weight
+// i low, i + 16 high); a weight is d * (q - 16). In a tile: d, qh, then the nibbles 4 bytes (a field) at a time.
+struct Q5_0 : Dequantizing<Q5_0> {
+  static constexpr int64_t QK = 32, B = 22;
+  static constexpr int FIELDS = 6;
+  static constexpr int64_t width(int j) { return j ? 4 : 2; }
+  template <class Sink>
+  static inline void weights(const uint8_t* p, const Sink& sink) {
+    const F d = halves(p);
+    const Words h = words(p + in_tile(TILE, 2, 4, 0));
+    UNROLL for (int w = 0; w < 4; ++w) {
+      const Words c = words(p + in_tile(TILE, 6 + 4 * w, 4, 0));
+      UNROLL for (int i = 0; i < 8; ++i) {  // nibble i of the 4 bytes: weight 4w + i/2 (+ 16 for a high nibble)
+        const int k = 4 * w + i / 2 + 16 * (i % 2);
+        const F q = add(bits(c, 4 * i, 0xF), mul(bits(h, k, 1), 16.f));
+        sink(k, mul(d, sub(q, all(16.f))));
+      }
+    }
+  }
+};
+
+// Q4_K: a row's super-block is d, dmin (fp16), 12 bytes of 6-bit scales and mins of its 8 sub-blocks of 32 (bytes
+// 0-3: scales 0-3 in bits 0-5; 4-7: mins 0-3; 8-11: scales 4-7 in bits 0-3, mins 4-7 in bits 4-7, their bits 4-5 in
+// bits 6-7 of bytes 0-3 and 4-7), 128 bytes of nibbles (sub-block j: bytes 32 (j/2) to 32 (j/2) + 31, low nibbles
+// for even j, high for odd); a weight is (d * sc) * q - dmin * m. In a tile: d, dmin, then 4 bytes at a time.
+struct Q4_K : Dequantizing<Q4_K> {
+  static constexpr int64_t QK = 256, B = 144;
+  static constexpr int FIELDS = 37;
+  static constexpr int64_t width(int j) { return j < 2 ? 2 : 4; }
+  template <class Sink>
+  static inline void weights(const uint8_t* p, const Sink& sink) {
+    const F d = halves(p), dmin = halves(p + in_tile(TILE, 2, 2, 0));
+    const Words s[3] = {words(p + in_tile(TILE, 4, 4, 0)), words(p + in_tile(TILE, 8, 4, 0)),
+                        words(p + in_tile(TILE, 12, 4, 0))};
+    UNROLL for (int j = 0; j < 8; ++j) {
+      const int b = 8 * (j % 4);  // the bit of byte j % 4 in a word of scales
+      const F sc = j < 4 ? bits(s[0], b, 63) : add(bits(s[2], b, 0xF), mul(bits(s[0], b + 6, 3), 16.f));
+      const F m = j < 4 ? bits(s[1], b, 63) : add(bits(s[2], b + 4, 0xF), mul(bits(s[1], b + 6, 3), 16.f));
+      const F ds = mul(d, sc), dm = mul(dmin, m);
+      UNROLL for (int w = 0; w < 8; ++w) {  // codes 4w to 4w + 3 of the sub-block
+        const Words c = words(p + in_tile(TILE, 16 + 32 * (j / 2) + 4 * w, 4, 0));
+        UNROLL for (int i = 0; i < 4; ++i)
+          sink(32 * j + 4 * w + i, sub(mul(ds, bits(c, 8 * i + 4 * (j % 2), 0xF)), dm));
+      }
+    }
+  }
+};
+
+// Q6_K: a row's super-block is ql (128 bytes), qh (64), 16 int8 scales (one per 16 weights), d (fp16). Weight
+// 128h + 32s + l (h < 2, s < 4, l < 32): its low 4 bits in byte 64h + 32 (s % 2) + l of ql (high nibble for s >= 2),
+// its high 2 bits at bit 2s of byte 32h + l of qh; it is (d * sc) * (q - 32). In a tile: ql and qh 4 bytes at a time,
+// the scales a byte at a time, d.
+struct Q6_K : Dequantizing<Q6_K> {
+  static constexpr int64_t QK = 256, B = 210;
+  static constexpr int FIELDS = 65;
+  static constexpr int64_t width(int j) { return j < 48 ? 4 : j < 64 ? 1 : 2; }
+  template <class Sink>
+  static inline void weights(const uint8_t* p, const Sink& sink) {
+    const F d = halves(p + in_tile(TILE, 208, 2, 0));
+    UNROLL for (int h = 0; h < 2; ++h) UNROLL for (int s = 0; s < 4; ++s) UNROLL for (int g = 0; g < 2; ++g) {
+      const F ds = mul(d, bytes(p + in_tile(TILE, 192 + 8 * h + 2 * s + g, 1, 0)));  // weights l = 16g to 16g + 15
+      UNROLL for (int w = 0; w < 4; ++w) {
+        const int l = 16 * g + 4 * w;
+        const Words lo = words(p + in_tile(TILE, 64 * h + 32 * (s % 2) + l, 4, 0)),
+                    hi = words(p + in_tile(TILE, 128 + 32 * h + l, 4, 0));
+        UNROLL for (int i = 0; i < 4; ++i) {
+          const F q = add(bits(lo, 8 * i + 4 * (s / 2), 0xF), mul(bits(hi, 8 * i + 2 * s, 3), 16.f));
+          sink(128 * h + 32 * s + l + i, mul(ds, sub(q, all(32.f))));
+        }
+      }
+    }
+  }
+};
+
 // Copies each row's fields of every block from `src` to `dst`: from(block, offset, width, row) and to(...) give a
 // field's place in each.
 template <class Q, class Src, class Dst>
@@ -106,13 +199,13 @@ static void relayout(int64_t rows, int64_t Kb, const uint8_t* src, uint8_t* dst,
         std::memcpy(dst + to(b, off, Q::width(j), r), src + from(b, off, Q::width(j), r), Q::width(j));
 }
 
-// blocks uint8 [N, K/32 * B] as GGUF stores them -> the same bytes in tiles: tile i (rows 16i to 16i + 15, the last
+// blocks uint8 [N, K/QK * B] as GGUF stores them -> the same bytes in tiles: tile i (rows 16i to 16i + 15, the last
 // tile maybe fewer) from byte 16i * K/32 * B on, block after block.
 template <class Q>
 static at::Tensor pack(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
                   blocks.is_contiguous() && blocks.size(1) % Q::B == 0,
-              "pack: contiguous uint8 blocks [N, K/32 * ", Q::B, "] are needed");
+              "pack: contiguous uint8 blocks [N, K/", Q::QK, " * ", Q::B, "] are needed");
   const int64_t N = blocks.size(0), Kb = blocks.size(1) / Q::B;
   at::Tensor out = at::empty(blocks.sizes(), blocks.options());
   const uint8_t* sp = blocks.data_ptr<uint8_t>();
@@ -133,7 +226,7 @@ static at::Tensor pack(const at::Tensor& blocks) {
 struct Operands {  // one product's: out [T, N] = x [T, K] W^T + bias + residual
   const float* x;     // [T, K] as the kernels read it, scaled for the format: rows t0 to t0 + R - 1 (t0 a multiple
                       // of RMAX, R = RMAX but for the last rows) from t0 * K on, weight k of row t0 + r at k * R + r
-  const float* xsum;  // [T, K/32] each block's sum of x
+  const float* xsum;  // [T, K/QK] each block's sum of x
   const int8_t* xq;   // LAB_VNNI's Q4_1: [T, K/32, LIMBS, 32] each block's x * 2^e, byte l of each (l = 0 the lowest)
   const float* xe;    // and [T, K/32] its 2^-e
   const float* bias;  // [N] or null
@@ -156,7 +249,7 @@ static void tiles(const Operands& a, const uint8_t* w, int64_t ts, int64_t i, in
     }
     float xsum[R];
     UNROLL for (int r = 0; r < R; ++r) xsum[r] = a.xsum[(t0 + r) * a.Kb + b];
-    Q::template block<NT, R>(p, a.x + (t0 * a.Kb + b * R) * QK, xsum, acc);
+    Q::template block<NT, R>(p, a.x + (t0 * a.Kb + b * R) * Q::QK, xsum, acc);
   }
   finish<NT, R>(a, acc, i, t0);
 }
@@ -253,14 +346,15 @@ static Kernel kernel_for(int r, bool wide) {
   return wide ? tiles<Q, std::max(1, ACC / R), R> : tiles<Q, 1, R>;
 }
 
-// The checks of a product's arguments: x [T, K] float32 (K a positive multiple of 32), packed w [N, K/32 * B],
+// The checks of a product's arguments: x [T, K] float32 (K a positive multiple of QK), packed w [N, K/QK * B],
 // bias [N], residual [T, N].
 template <class Q>
 static void check_args(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   check(x, "x");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                  x.dim() == 2 && w.size(1) == x.size(1) / QK * Q::B && x.size(1) % QK == 0 && x.size(1) > 0,
-              "linear: x [T, K] (K a positive multiple of 32) and packed w uint8 [N, K/32 * ", Q::B, "] are needed");
+                  x.dim() == 2 && w.size(1) == x.size(1) / Q::QK * Q::B && x.size(1) % Q::QK == 0 && x.size(1) > 0,
+              "linear: x [T, K] (K a positive multiple of ", Q::QK, ") and packed w uint8 [N, K/", Q::QK, " * ", Q::B,
+              "] are needed");
   if (bias) {
     check(*bias, "bias");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear: bias [N] is needed");
@@ -293,7 +387,7 @@ static std::vector<uint8_t> widened_last(const uint8_t* wp, int64_t N, int64_t K
 template <class Q>
 static at::Tensor dequantized(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   check_args<Q>(x, w, bias, residual);
-  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B, full = N / TILE;
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / Q::QK, ts = TILE * Kb * Q::B, full = N / TILE;
   at::Tensor out = at::empty({T, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const std::vector<uint8_t> last = N % TILE ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
@@ -302,7 +396,7 @@ static at::Tensor dequantized(const at::Tensor& x, const at::Tensor& w, const Op
               out.data_ptr<float>(), N};
   tiled_product(a, T, K, [&](int64_t t, float* o) {
     const uint8_t* p = t < full ? wp + t * ts : last.data();
-    for (int64_t b = 0; b < Kb; ++b) Q::dequantize(p + b * TILE * Q::B, o + b * QK * TILE);
+    for (int64_t b = 0; b < Kb; ++b) Q::dequantize(p + b * TILE * Q::B, o + b * Q::QK * TILE);
   });
   return out;
 }
@@ -310,19 +404,19 @@ static at::Tensor dequantized(const at::Tensor& x, const at::Tensor& w, const Op
 // packed w [N, K/32 * B] -> its weights [N, K] float32, as gguf dequantizes them.
 template <class Q>
 static at::Tensor unpacked(const at::Tensor& w) {
-  const int64_t N = w.size(0), Kb = w.size(1) / Q::B, K = Kb * QK, ts = TILE * Kb * Q::B, full = N / TILE;
+  const int64_t N = w.size(0), Kb = w.size(1) / Q::B, K = Kb * Q::QK, ts = TILE * Kb * Q::B, full = N / TILE;
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const std::vector<uint8_t> last = N % TILE ? widened_last<Q>(wp, N, Kb) : std::vector<uint8_t>();
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   parallel(0, (N + TILE - 1) / TILE, grain_of(TILE * K), [&](int64_t begin, int64_t end) {
-    float o[QK * TILE];  // a block of the tile's 16 rows, weight k's at o + 16 k
+    float o[Q::QK * TILE];  // a block of the tile's 16 rows, weight k's at o + 16 k
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* p = i < full ? wp + i * ts : last.data();
       for (int64_t b = 0; b < Kb; ++b) {
         Q::dequantize(p + b * TILE * Q::B, o);
         for (int64_t r = 0; r < std::min(TILE, N - i * TILE); ++r)
-          for (int64_t k = 0; k < QK; ++k) op[(i * TILE + r) * K + b * QK + k] = o[k * TILE + r];
+          for (int64_t k = 0; k < Q::QK; ++k) op[(i * TILE + r) * K + b * Q::QK + k] = o[k * TILE + r];
       }
     }
   });
@@ -343,7 +437,7 @@ static at::Tensor gemm(const at::Tensor& x, const at::Tensor& w, const Opt& bias
 template <class Q>
 static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
   check_args<Q>(x, w, bias, residual);
-  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / QK, ts = TILE * Kb * Q::B;
+  const int64_t T = x.size(0), N = w.size(0), K = x.size(1), Kb = K / Q::QK, ts = TILE * Kb * Q::B;
   const bool ints = std::is_same_v<Q, Q4_1> && q4_1_fixed_point();
   const int rmax = ints ? RI : RMAX;  // rows of x per kernel at most
   at::Tensor out = at::empty({T, N}, x.options()), xs = at::empty({2, T, Kb}, x.options()),
@@ -351,11 +445,11 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bi
   const float* xp = x.data_ptr<float>();
   float *sp = xs.data_ptr<float>(), *ep = sp + T * Kb, *kp = xk.data_ptr<float>();
   int8_t* qp = reinterpret_cast<int8_t*>(kp);
-  parallel(0, T * Kb, grain_of(QK), [&](int64_t begin, int64_t end) {
+  parallel(0, T * Kb, grain_of(Q::QK), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {  // block b of row t
       const int64_t t = i / Kb, b = i % Kb;
-      const float* xb = xp + t * x.stride(0) + b * QK;
-      sp[i] = at::vec::reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, xb, QK);
+      const float* xb = xp + t * x.stride(0) + b * Q::QK;
+      sp[i] = at::vec::reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, xb, Q::QK);
 #if defined(LAB_VNNI)
       if (ints) {
         ep[i] = fixed_point(xb, qp + i * LIMBS * QK);
@@ -363,7 +457,7 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bi
       }
 #endif
       const int64_t t0 = t / RMAX * RMAX, rows = std::min<int64_t>(RMAX, T - t0);
-      for (int64_t k = 0; k < QK; ++k) kp[t0 * K + (b * QK + k) * rows + t - t0] = xb[k] * Q::scale(k);
+      for (int64_t k = 0; k < Q::QK; ++k) kp[t0 * K + (b * Q::QK + k) * rows + t - t0] = xb[k] * Q::scale(k);
     }
   });
   const Operands a{kp, sp, qp, ep, bias ? bias->data_ptr<float>() : nullptr,
@@ -420,23 +514,17 @@ at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
   return out;
 }
 
-at::Tensor q4_1_pack(const at::Tensor& blocks) { return pack<Q4_1>(blocks); }
-at::Tensor q8_0_pack(const at::Tensor& blocks) { return pack<Q8_0>(blocks); }
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
-  return linear<Q4_1>(x, w, bias, residual);
-}
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
-  return linear<Q8_0>(x, w, bias, residual);
-}
-at::Tensor q4_1_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
-  return gemm<Q4_1>(x, w, bias, residual);
-}
-at::Tensor q8_0_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
-  return gemm<Q8_0>(x, w, bias, residual);
-}
-at::Tensor q4_1_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
-  return dequantized<Q4_1>(x, w, bias, residual);
-}
-at::Tensor q8_0_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {
-  return dequantized<Q8_0>(x, w, bias, residual);
-}
+// Each format's operators (ops.h's LAB_GGUF): pack, and the per-row, tiles and GEMM products.
+#define LAB_GGUF_OPS(f, Q)                                                                                \
+  at::Tensor f##_pack(const at::Tensor& blocks) { return pack<Q>(blocks); }                               \
+  at::Tensor f##_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {  \
+    return linear<Q>(x, w, bias, residual);                                                               \
+  }                                                                                                       \
+  at::Tensor f##_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) { \
+    return dequantized<Q>(x, w, bias, residual);                                                          \
+  }                                                                                                       \
+  at::Tensor f##_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) { \
+    return gemm<Q>(x, w, bias, residual);                                                                 \
+  }
+LAB_GGUF(LAB_GGUF_OPS)
+#undef LAB_GGUF_OPS

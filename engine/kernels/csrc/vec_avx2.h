@@ -18,6 +18,8 @@ ALWAYS_INLINE F mul(F a, float b) {
 }
 ALWAYS_INLINE F floats16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }  // 16 floats
 ALWAYS_INLINE F mul(F a, F b) { return {_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+ALWAYS_INLINE F sub(F a, F b) { return {_mm256_sub_ps(a.a, b.a), _mm256_sub_ps(a.b, b.b)}; }
+ALWAYS_INLINE F all(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }  // a in every lane
 ALWAYS_INLINE void store(F a, float* o) {
   _mm256_storeu_ps(o, a.a);
   _mm256_storeu_ps(o + 8, a.b);
@@ -60,4 +62,17 @@ ALWAYS_INLINE F nibble(const Nibbles& n, int c) {
   const __m256i mask = _mm256_set1_epi32(0xF << 4 * (c % 4));
   return {_mm256_cvtepi32_ps(_mm256_and_si256(c < 4 ? n.lo_a : n.hi_a, mask)),
           _mm256_cvtepi32_ps(_mm256_and_si256(c < 4 ? n.lo_b : n.hi_b, mask))};
+}
+struct Words {  // rows 0-7 and 8-15's 4 bytes, a lane each
+  __m256i a, b;
+};
+ALWAYS_INLINE Words words(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+ALWAYS_INLINE F bits(const Words& w, int shift, uint32_t mask) {  // each row's (word >> shift) & mask (< 2^31), fp32
+  const __m128i s = _mm_cvtsi32_si128(shift);
+  const __m256i m = _mm256_set1_epi32(mask);
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.a, s), m)),
+          _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.b, s), m))};
 }

@@ -18,6 +18,8 @@ ALWAYS_INLINE F fma(float a, F b, F c) { return {_mm512_fmadd_ps(_mm512_set1_ps(
 ALWAYS_INLINE F mul(F a, float b) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(b))}; }
 ALWAYS_INLINE F floats16(const float* p) { return {_mm512_loadu_ps(p)}; }  // 16 floats
 ALWAYS_INLINE F mul(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
+ALWAYS_INLINE F sub(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
+ALWAYS_INLINE F all(float a) { return {_mm512_set1_ps(a)}; }  // a in every lane
 ALWAYS_INLINE void store(F a, float* o) { _mm512_storeu_ps(o, a.v); }
 ALWAYS_INLINE F halves(const uint8_t* p) {  // 16 fp16
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
@@ -40,6 +42,14 @@ ALWAYS_INLINE Nibbles nibbles(const uint8_t* p) {
 }
 ALWAYS_INLINE F nibble(const Nibbles& n, int c) {  // code c of each row, q * 2^(4 (c % 4)) in fp32
   return {_mm512_cvtepi32_ps(_mm512_and_si512(c < 4 ? n.lo : n.hi, _mm512_set1_epi32(0xF << 4 * (c % 4))))};
+}
+struct Words {  // 16 rows' 4 bytes, a lane each
+  __m512i v;
+};
+ALWAYS_INLINE Words words(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+ALWAYS_INLINE F bits(Words w, int shift, uint32_t mask) {  // each row's (word >> shift) & mask (< 2^31), in fp32
+  const __m512i v = _mm512_srl_epi32(w.v, _mm_cvtsi32_si128(shift));
+  return {_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(mask)))};
 }
 
 #define LAB_BF16 1

@@ -34,6 +34,15 @@ ALWAYS_INLINE F mul(F a, F b) {
   for (int i = 0; i < TILE; ++i) a.v[i] *= b.v[i];
   return a;
 }
+ALWAYS_INLINE F sub(F a, F b) {
+  for (int i = 0; i < TILE; ++i) a.v[i] -= b.v[i];
+  return a;
+}
+ALWAYS_INLINE F all(float a) {  // a in every lane
+  F f;
+  std::fill_n(f.v, TILE, a);
+  return f;
+}
 ALWAYS_INLINE void store(F a, float* o) { std::copy_n(a.v, TILE, o); }
 ALWAYS_INLINE F halves(const uint8_t* p) {
   F f;
@@ -69,5 +78,19 @@ ALWAYS_INLINE F nibble(const Nibbles& n, int c) {
     const uint32_t v = n[4 * i] | n[4 * i + 1] << 8 | n[4 * i + 2] << 16 | static_cast<uint32_t>(n[4 * i + 3]) << 24;
     f.v[i] = static_cast<float>(v >> 16 * (c / 4) & 0xFu << 4 * (c % 4));
   }
+  return f;
+}
+struct Words {  // 16 rows' 4 bytes (little-endian), one each
+  uint32_t v[TILE];
+};
+ALWAYS_INLINE Words words(const uint8_t* p) {
+  Words w;
+  for (int i = 0; i < TILE; ++i)
+    w.v[i] = p[4 * i] | p[4 * i + 1] << 8 | p[4 * i + 2] << 16 | static_cast<uint32_t>(p[4 * i + 3]) << 24;
+  return w;
+}
+ALWAYS_INLINE F bits(const Words& w, int shift, uint32_t mask) {  // each row's (word >> shift) & mask, in fp32
+  F f;
+  for (int i = 0; i < TILE; ++i) f.v[i] = static_cast<float>(w.v[i] >> shift & mask);
   return f;
 }
