@@ -20,6 +20,7 @@ from engine.model.kv_cache import make_cache
 from engine.model.loader import load_model, prepare, random_model
 from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
+from tests.test_model_support import random_norms
 from tests.test_paged import BS, PAGED_ARRIVE, PAGED_LENS, POOLS, paged_prompts, run_paged
 from tests.test_paged import POLICIES as PAGED_POLICIES
 
@@ -32,13 +33,7 @@ NATIVE = [True, False]  # the native CPU kernels (where they build), ATen's oper
 def tiny(**fields):
     """The tiny Gemma 3 with `fields` overriding its config; its norm weights (zeros in Hugging Face's
     initialisation, 1 + w = 1) made random so that they count."""
-    model = random_model({**OmegaConf.to_container(TINY.config), **fields}, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
+    return random_norms(random_model({**OmegaConf.to_container(TINY.config), **fields}, seed=0))
 
 
 @pytest.fixture(scope="module")

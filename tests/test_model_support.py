@@ -26,7 +26,11 @@ OUTPUT_LENS = (12, 20, 8)
 def tiny(model_type: str, **fields):
     """A random tiny model of BASE's shape with `fields` overriding its config; its norm weights (ones in Hugging
     Face's initialisation) made random so that they count."""
-    model = random_model({"model_type": model_type, **BASE, **fields}, seed=0)
+    return random_norms(random_model({"model_type": model_type, **BASE, **fields}, seed=0))
+
+
+def random_norms(model):
+    """`model` with noise added to every norm weight (seeded), so that a norm computed wrongly changes the tokens."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

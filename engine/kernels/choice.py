@@ -11,8 +11,7 @@ CPU's caches are not measured (their timings are noise) and keep `default`, as d
 The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and
 `product(candidate, x)` (engine/model/linear.py's Dense); a storage with kernels of its own names its `family` and
 `candidates` (GgufDense: the per-row block kernel, the dequantized tiles' and the GEMM's) and is measured whatever its
-size; a shape's GGUF matrices in different formats are measured together under the first one's family and candidate
-names, each running its own format's kernel of the candidate's kind.
+size, grouped with its own family only (engine/model/weights.py's choose_kernels).
 The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
 """
 import hashlib

@@ -154,9 +154,7 @@ class GgufDense:
     tiles dequantized once into the thread's cache, then an fp32 FMA kernel against every row: faster where the
     products are compute-bound) or `fmt`_mm (the weights dequantized whole for ATen's (MKL's) GEMM: for prefills).
     Parts of different formats (`blocks` and `fmt` tuples, rows one after another) are one product: each part's
-    kernel gives its columns (candidates "q5_0+q8_0", "q5_0_tiles+q8_0_tiles"...: the same kernel for every part).
-    A product named for another format (the chooser measures a shape's matrices together, whatever their formats)
-    runs this weight's kernel of the same kind (blocks, tiles or GEMM)."""
+    kernel gives its columns (candidates "q5_0+q8_0", "q5_0_tiles+q8_0_tiles"...: the same kernel for every part)."""
 
     def __init__(self, blocks, fmt, in_features: int, ops, bias: torch.Tensor | None = None):
         parts = list(zip(blocks, fmt)) if isinstance(fmt, tuple) else [(blocks, fmt)]
@@ -191,13 +189,9 @@ class GgufDense:
     def _fixed_point(self) -> bool:
         return "q4_1" in self.fmts and build.capabilities()["q4_1_vnni"]
 
-    def _own(self, name: str) -> str:
-        """This weight's candidate of the kind of the product `name` (blocks, tiles or GEMM), whatever its format."""
-        return self.candidates[2 if name.endswith("_mm") else 1 if name.endswith("_tiles") else 0]
-
     @property
     def arithmetic(self) -> str:
-        parts, own = [], {self._own(n) for n in self.products}
+        parts, own = [], set(self.products)
         if self.candidates[0] in own:
             parts.append("x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
                          if self._fixed_point else "fp32")
@@ -206,11 +200,11 @@ class GgufDense:
         return f"{self.fmt}: " + "; ".join(parts)
 
     def kernel(self, bucket: int) -> str:
-        name = self._own(self.products[bucket])
+        name = self.products[bucket]
         return f"{name} (AVX512-VNNI)" if name == "q4_1" and self._fixed_point else name
 
     def lab_args(self, bucket: int) -> tuple:
-        name = self._own(self.products[bucket])
+        name = self.products[bucket]
         if len(self.fmts) == 1:
             return build.PRODUCTS.index(name), self.packed, None, self.bias
         if name not in self._tables:  # per part: its kind, outputs and bytes
@@ -225,9 +219,7 @@ class GgufDense:
         return self.product(self.products[bucket(x.shape[0])], x, residual)
 
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        ops = self._ops.get(name)
-        if ops is None:  # a product named for another format: this weight's of its kind, found once
-            ops = self._ops[name] = self._ops[self._own(name)]
+        ops = self._ops[name]
         if len(ops) == 1:
             return ops[0](x, self.packed, self.bias, residual)
         cols = list(zip(self.columns, self.columns[1:]))

@@ -131,10 +131,11 @@ def choose_kernels(products: list, kernel: str | None, remeasure: bool, device: 
                    dtype: torch.dtype) -> dict:
     """Give each Dense of `products` its product per row bucket: `kernel` for all (a choice.candidates name), or
     each shape's measured choice (engine/kernels/choice.py), `remeasure` measuring it again. Returns
-    (in, out) -> {"choice": per bucket, "ms": timings or None}."""
+    (in, out) or, for a storage with a family, (in, out, family) -> {"choice": per bucket, "ms": timings or None}."""
     groups = {}
     for d in products:
-        groups.setdefault(tuple(d.shape), []).append(d)
+        family = getattr(d, "family", None)  # a storage's own kernels (GGUF format): a group of their own
+        groups.setdefault((*d.shape, family) if family else tuple(d.shape), []).append(d)
     if kernel is not None:
         if kernel not in choice.candidates(device, dtype):
             raise ValueError(f"kernel {kernel!r} does not run here; choose from {choice.candidates(device, dtype)}")
