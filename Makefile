@@ -27,7 +27,7 @@ GPU_EXP := gpu-$(shell date +%Y%m%d-%H%M%S)
 gpu-check: setup
 	pytest -m gpu -rs
 	dvc exp run --temp -n $(GPU_EXP) -S profile=gpu -S model=llama-3.1-8b-shape -S precision=bf16-cuda
-	python -m pipeline.tools.machine_reports $(GPU_EXP)
+	python -m pipeline.tools.keep_reports $(GPU_EXP)
 
 # llama.cpp, vLLM and OpenVINO GenAI beside the lab on the same model (llama-server built and each Python peer's venv
 # installed once under data/peers/: minutes); ARGS: Hydra overrides, e.g. ARGS='bench.peer.peers=[vllm]',

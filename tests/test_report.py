@@ -47,33 +47,64 @@ def test_report_of_one_machine_names_it(repo):
 
 
 def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path):
-    """machine_reports (make gpu-check): the newest experiment of that name has its reports copied under
-    reports/machines/<its fingerprint id>/; the main reports stay as they are."""
+    """keep_reports (make gpu-check, a model experiment): the newest experiment of that name has its reports copied
+    under reports/machines/<its fingerprint id>/ (another machine) or reports/models/<its model>/ (this machine,
+    another model); the main reports stay as they are; one that repeats the main run is refused."""
     import subprocess
 
-    from pipeline.tools import machine_reports
+    from pipeline.tools import keep_reports
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=lab", "-c", "user.email=lab@localhost", *args], cwd=tmp_path,
                        check=True, capture_output=True)
 
+    def run(name, machine, model, text):
+        (reports / "machine.json").write_text(json.dumps({"id": machine, "label": machine}))
+        (tmp_path / "params.yaml").write_text(f"model:\n  name: {model}\n")
+        (reports / "REPORT.md").write_text(text)
+        (reports / "plots" / "x.png").write_bytes(text.encode())
+        git("add", "-A")
+        git("commit", "-qm", name)
+        if name != "main":
+            git("update-ref", f"refs/exps/ab/cdef/{name}", "HEAD")
+            git("reset", "-q", "--hard", "HEAD~1")
+
     reports = tmp_path / "reports"
     (reports / "plots").mkdir(parents=True)
     git("init", "-q")
-    (reports / "machine.json").write_text(json.dumps({"id": "cpu0", "label": "a CPU"}))
-    (reports / "REPORT.md").write_text("cpu report\n")
-    git("add", "-A")
-    git("commit", "-qm", "cpu")
-    (reports / "machine.json").write_text(json.dumps({"id": "gpu0", "label": "a GPU"}))
-    (reports / "REPORT.md").write_text("gpu report\n")
-    (reports / "plots" / "x.png").write_bytes(b"\x89PNG")
-    git("add", "-A")
-    git("commit", "-qm", "gpu")
-    git("update-ref", "refs/exps/ab/cdef/gpu-1", "HEAD")
-    git("reset", "-q", "--hard", "HEAD~1")
-    machine_reports.keep("gpu-1", tmp_path)
-    kept = reports / "machines" / "gpu0"
-    assert (kept / "REPORT.md").read_text() == "gpu report\n" and (kept / "plots" / "x.png").read_bytes() == b"\x89PNG"
+    run("main", "cpu0", "small", "cpu report\n")
+    run("gpu-1", "gpu0", "big", "gpu report\n")
+    run("second", "cpu0", "other", "other model\n")
+    run("again", "cpu0", "small", "the same run\n")
+    assert keep_reports.keep("gpu-1", tmp_path) == reports / "machines" / "gpu0"
+    assert keep_reports.keep("second", tmp_path) == reports / "models" / "other"
+    for kept, text in ((reports / "machines" / "gpu0", "gpu report\n"),
+                       (reports / "models" / "other", "other model\n")):
+        assert (kept / "REPORT.md").read_text() == text and (kept / "plots" / "x.png").read_bytes() == text.encode()
     assert (reports / "REPORT.md").read_text() == "cpu report\n"
+    with pytest.raises(SystemExit, match="this machine and this model"):
+        keep_reports.keep("again", tmp_path)
     with pytest.raises(SystemExit, match="no DVC experiment named 'gpu-2'"):
-        machine_reports.keep("gpu-2", tmp_path)
+        keep_reports.keep("gpu-2", tmp_path)
+
+
+def test_other_models_appear_beside_this_run(tmp_path):
+    """REPORT.md's model section: each model kept under reports/models/ gets a row beside this run's, its ratios
+    computed from its own metrics, another machine's named; no section without one."""
+    from pipeline.reporting import models
+
+    here = {"id": "m0", "label": "this CPU"}
+    assert models.render("small", {}, tmp_path, here) is None
+    ours = {"all_policies.static.throughput_tps": 50.0, "all_policies.continuous.throughput_tps": 150.0,
+            "engine_speed.fp32.b1_p38.engine_decode_tps": 40.0, "engine_speed.w4.b1_p38.engine_decode_tps": 100.0}
+    theirs = {"all_policies.static.throughput_tps": 20.0, "all_policies.continuous.throughput_tps": 30.0,
+              "engine_speed.fp32.b1_p41.engine_decode_tps": 10.0, "engine_speed.w4.b1_p41.engine_decode_tps": 35.0,
+              "precision.w4.kld_mean": 0.0012}
+    for name, machine in (("big", here), ("far", {"id": "m1", "label": "a GPU"})):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "metrics.json").write_text(json.dumps(theirs))
+        (tmp_path / "models" / name / "machine.json").write_text(json.dumps(machine))
+    lines = models.render("small", ours, tmp_path, here).splitlines()
+    assert lines[2].startswith("| small (this run) | 50.0 | 150.0 | n/a | 3.00 |") and "| 2.50 |" in lines[2]
+    assert lines[3].startswith("| big | 20.0 | 30.0 | n/a | 1.50 |") and "| 3.50 | n/a | 1.20e-03 |" in lines[3]
+    assert lines[4].startswith("| far (measured on another machine: a GPU) |")

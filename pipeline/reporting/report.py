@@ -5,7 +5,7 @@ from pathlib import Path
 
 from engine.config import group_entry
 from pipeline.measuring.metrics import meets_slo
-from pipeline.reporting import precision_table, shaped, tables
+from pipeline.reporting import models, precision_table, shaped, tables
 from pipeline.workloads.runs import table_config
 
 
@@ -290,6 +290,13 @@ def build(cfg, root: Path) -> tuple[str, dict]:
     all_rows = [r for rows in results_by_table.values() for r in rows]
     parts.append(section("Capacity, batch size and what stops you (seed 000)", "",
                          capacity_answer(all_rows, hw, float(cfg.slo.share), shaped_result)))
+    kept = models.render(cfg.model.name, metrics, reports, machine)
+    if kept:
+        parts.append(section("Models: how batching's gains change with the model", "This run's headline figures beside "
+                             "each other model's, run on this machine as a DVC experiment (`dvc exp run -S "
+                             "model=<name>`, then `python -m pipeline.tools.keep_reports <experiment>`: its reports in "
+                             "reports/models/<name>/), the same workloads, loads and SLOs in units of each model's own "
+                             "measured step (measured).", kept))
     timed = {**results_by_table, "engine_speed": speed["rows"] if speed else [],
              "servers": servers["rows"] if servers else []}
     account, m = disturbance(timed)
