@@ -49,7 +49,8 @@ def test_report_of_one_machine_names_it(repo):
 def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path):
     """keep_reports (make gpu-check, a model experiment): the newest experiment of that name has its reports copied
     under reports/machines/<its fingerprint id>/ (another machine) or reports/models/<its model>/ (this machine,
-    another model); the main reports stay as they are; one that repeats the main run is refused."""
+    another model), only the files it wrote; the main reports stay as they are; one that repeats the main run is
+    refused."""
     import subprocess
 
     from pipeline.tools import keep_reports
@@ -72,6 +73,7 @@ def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path):
     reports = tmp_path / "reports"
     (reports / "plots").mkdir(parents=True)
     git("init", "-q")
+    (reports / "PEER.md").write_text("measured elsewhere\n")
     run("main", "cpu0", "small", "cpu report\n")
     run("gpu-1", "gpu0", "big", "gpu report\n")
     run("second", "cpu0", "other", "other model\n")
@@ -81,6 +83,8 @@ def test_an_experiments_reports_are_kept_beside_the_main_ones(tmp_path):
     for kept, text in ((reports / "machines" / "gpu0", "gpu report\n"),
                        (reports / "models" / "other", "other model\n")):
         assert (kept / "REPORT.md").read_text() == text and (kept / "plots" / "x.png").read_bytes() == text.encode()
+    assert not (reports / "models" / "other" / "PEER.md").exists()  # carried from the baseline, not written by it
+    assert json.loads((reports / "models" / "other" / "machine.json").read_text())["id"] == "cpu0"  # always kept
     assert (reports / "REPORT.md").read_text() == "cpu report\n"
     with pytest.raises(SystemExit, match="this machine and this model"):
         keep_reports.keep("again", tmp_path)

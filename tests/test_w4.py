@@ -85,12 +85,13 @@ def test_w4_tokens_agree_with_generate_up_to_near_ties(tiny_gguf, policy):
 
 
 def test_the_step_split_counts_the_block_products(tiny_gguf):
-    """probe_hardware's split of a w4 decode step counts the Q4_1 layers and the Q8_0 head as matrix products."""
+    """probe_hardware's split of a w4 decode step counts the Q4_1 layers as matrix products, the Q8_0 head as the
+    LM head."""
     from pipeline.measuring.hardware import step_split
 
     model, path = tiny_gguf
     parts = step_split(FlatModel(model, weights="gguf", gguf=path), 2, steps=3)["parts"]
-    assert parts["matrix products"] > 0
+    assert parts["matrix products"] > 0 and parts["LM head"] > 0
 
 
 def test_a_format_it_does_not_read_is_refused_by_name(tmp_path):

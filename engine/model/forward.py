@@ -35,6 +35,7 @@ from engine.model.support import (
 from engine.model.weights import WEIGHTS, build_layers, choose_kernels, held_bytes, scales
 
 KV_DTYPES = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # conf/precision: `kv_dtype`
+HEAD_SPAN = "lab::lm_head"  # the LM head's product, as torch.profiler names it (probe_hardware's step split)
 MLP_ROWS = 1024  # tokens per MLP pass in long prefills: keeps the [rows, 2 x intermediate] activations in cache
 
 
@@ -151,7 +152,7 @@ class FlatModel:
             seats, length, bias = (a.num_seats, a.length, a.bias) if isinstance(a, DenseDecode) else (0, 0, None)
             x = self.ops.layers(x, *args, cos, sin, cache.k, cache.v, rows, spans, keys, bias, seats, length, H,
                                 self.eps, self.attn_scale)
-            return self.lm_head(self._norm(x[inputs.logit_rows], self.norm)).float()
+            return self._head(x[inputs.logit_rows])
         ropes = [(cos, sin)] if len(self.rope_keys) == 1 else \
             [(c.contiguous(), s.contiguous()) for c, s in zip(cos.split(D, -1), sin.split(D, -1))]
         for i, layer in enumerate(self.layers):
@@ -171,7 +172,16 @@ class FlatModel:
                 x = self._mlp(x, layer)
             else:
                 x = torch.cat([self._mlp(xb, layer) for xb in x.split(MLP_ROWS)])
-        return self.lm_head(self._norm(x[inputs.logit_rows], self.norm)).float()
+        return self._head(x[inputs.logit_rows], traced)
+
+    def _head(self, x, traced: bool = False) -> torch.Tensor:
+        """fp32 logits of the final norm of x; the head's product a span torch.profiler names (HEAD_SPAN), but in a
+        traced step."""
+        x = self._norm(x, self.norm)
+        if traced:
+            return self.lm_head(x).float()
+        with torch.profiler.record_function(HEAD_SPAN):
+            return self.lm_head(x).float()
 
     def _lab_args(self, rows: int, attention) -> tuple | None:
         """Every layer's weights and product kinds, one after another, for lab.layers at this row count, or None where
@@ -195,11 +205,14 @@ class FlatModel:
         return self._lab_layers[b]
 
     def _norm(self, x, w):
-        """RMS norm over the last dim, times w. Gemma 3: in fp32 in Hugging Face's order (x widened, normalized, times
-        w = 1 + its weight, then cast back); w may be [heads, D] for x [T, heads, D]."""
-        if self.gemma:
+        """RMS norm over the last dim, times w: (x * rsqrt(mean(x^2) + eps)) * w. Gemma 3: in fp32 (x widened,
+        normalized, times w = 1 + its weight, then cast back, as Hugging Face does), w [heads, D] for x [T, heads, D]
+        on q and k: the norm, then a product by w."""
+        if self.gemma and x.dtype != torch.float32:  # Gemma 3 in bf16 (a GPU level)
             xf = x.float()
             return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
+        if w.dim() > 1:
+            return F.rms_norm(x, (x.shape[-1],), None, self.eps) * w
         if self.ops is not None:
             return self.ops.rms_norm(x, w, self.eps)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)

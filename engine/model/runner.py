@@ -25,6 +25,7 @@ from engine.model.attention import (
 from engine.model.device import to_device
 from engine.model.sampler import Sampler, token_logprobs
 
+SAMPLER_SPAN = "lab::sampler"  # the step's token choice, as torch.profiler names it (probe_hardware's step split)
 KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
 
@@ -175,7 +176,8 @@ class ModelRunner:
         rids, params = [c.rid for c in rows], [c.params for c in rows]
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[asked].float().log_softmax(dim=-1) if asked else None  # before the sampler edits logits
-        tokens = self.sampler(logits, rids, params, {c.rid: c.history for c in rows if c.history is not None})
+        with torch.profiler.record_function(SAMPLER_SPAN):
+            tokens = self.sampler(logits, rids, params, {c.rid: c.history for c in rows if c.history is not None})
         logprobs = token_logprobs(raw, [tokens[i] for i in asked], [params[i].logprobs for i in asked]) if asked else []
         return RunnerOutput(dict(zip(rids, tokens)), dict(zip([rids[i] for i in asked], logprobs)))
 

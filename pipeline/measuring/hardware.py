@@ -11,7 +11,8 @@ from engine import LLMEngine, SamplingParams
 from engine.config import engine_weights, group_entry, options
 from engine.kernels import build
 from engine.kernels.choice import BUCKETS
-from engine.model.forward import FlatModel
+from engine.model.forward import HEAD_SPAN, FlatModel
+from engine.model.runner import SAMPLER_SPAN
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.levels import level_nets
@@ -21,16 +22,24 @@ from pipeline.workloads.prompts import prompts_for
 BATCHES = [1, 4, 16, 64, 128]
 CONTEXTS = [1024, 4096]
 SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by part
-PARTS = {"matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
-                             "flat::packed_linear", "mkldnn::_linear_pointwise", "flat::onednn_linear",
-                             "lab::q4_1_linear", "lab::q8_0_linear", "lab::q4_1_tiles_linear",
-                             "lab::q8_0_tiles_linear", "lab::bf16_linear"),
+PARTS = {"LM head": (HEAD_SPAN,),
+         "sampler": (SAMPLER_SPAN,),
+         "matrix products": ("aten::mm", "aten::addmm", "aten::matmul", "aten::linear", "mkl::_mkl_linear",
+                             "flat::packed_linear", "mkldnn::_linear_pointwise", "flat::onednn_linear"),
          "decode attention": ("aten::bmm", "aten::softmax", "aten::_softmax", "lab::decode_attention",
                               "lab::token_attention"),
          "RMS norms": ("aten::rms_norm", "lab::rms_norm"),
          "KV writes": ("aten::index_copy_", "lab::write_rows_")}  # top-level operator -> part; else "other operators"
 NAMESPACES = {name.split("::")[0] for names in PARTS.values() for name in names}  # operators, not spans
 LAYER = "lab::layers"  # every decoder layer in one call: its operators (norms, KV writes, attention...) named inside
+
+
+def part_of(name: str) -> str:
+    """The part a top-level operator or span counts in: PARTS's, any of the native library's products (lab::*linear,
+    every weight format) a matrix product, else "other operators"."""
+    if name.startswith("lab::") and name.endswith("linear"):
+        return "matrix products"
+    return next((k for k, names in PARTS.items() if name in names), "other operators")
 
 
 def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:
@@ -71,7 +80,7 @@ def _split(net: FlatModel, batch: int, steps: int) -> dict:
         if e.name == LAYER:  # one call a step: its own work, its products counted below
             parts["rest of the layers call"] += e.self_cpu_time_total / 1e3 / steps
         elif (parent is None or parent == LAYER) and e.name.split("::")[0] in NAMESPACES:
-            part = next((k for k, names in PARTS.items() if e.name in names), "other operators")
+            part = part_of(e.name)
             parts[part] += e.cpu_time_total / 1e3 / steps
     parts["outside operators"] = max(0.0, profiled - sum(parts.values()))
     return {"batch": batch, "step_ms": statistics.median(wall) * 1e3, "profiled_ms": profiled, "parts": parts}

@@ -9,8 +9,10 @@ def render_split(h: dict) -> list[str]:
     lines = ["## Where the engine's decode step goes", "",
              "The engine decoding B short chat prompts: its step's wall time (median of 6), then the same steps under "
              "torch.profiler split by part (top-level operator), ms per step (the profiler adds a few microseconds "
-             "per operator, so the profiled step is longer). `outside operators`: Python, scheduling, sampling "
-             "bookkeeping, and most of the profiler's own cost. The floor is the matrix products alone (above). "
+             "per operator, so the profiled step is longer). `LM head`: the head's product (vocab logits of each "
+             "sampled row); `sampler`: the token choice from those logits (penalties, argmax or sampling); `matrix "
+             "products`: the layers' products. `outside operators`: Python, scheduling, sampling bookkeeping, and most "
+             "of the profiler's own cost. The floor is every matrix product, the head's included, alone (above). "
              "`fused`: the engine's own kernels for norms, rotary, SiLU x up, KV writes and decode attention "
              "(engine/kernels/build.py, the default where they build), all layers in one call whose steps are split "
              "by the operator each calls (`rest of the layers call`: that call's own work between them; a decode "
@@ -29,7 +31,8 @@ def render_split(h: dict) -> list[str]:
 def render_kernel_table(k: dict) -> list[str]:
     b = k["build"]
     native = (f"the native library built for {b['isa']} (Q4_1 integer sums: {'yes' if b['q4_1_vnni'] else 'no'}, "
-              f"bf16 pairs by vdpbf16ps: {'yes' if b['bf16_dot'] else 'no: widened, FMA'})") if b else "no native library (ATen only)"
+              f"bf16 pairs by vdpbf16ps: {'yes' if b['bf16_dot'] else 'no: widened, FMA'})") if b \
+        else "no native library (ATen only)"
     tops = [f"<= {n}" for n in k["buckets"][:-1]] + [f"> {k['buckets'][-2]}"]
     lines = ["## Which kernel runs each product, per precision level and rows a step", "",
              f"From the engine built at each level on this machine, with {native}. fp32: the product measured "

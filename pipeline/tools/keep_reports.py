@@ -1,5 +1,5 @@
 """`python -m pipeline.tools.keep_reports [experiment name]` (default gpu-check): copy reports/ of the newest DVC
-experiment of that name beside the main reports, so they never replace them: into reports/machines/<its machine id>/
+experiment of that name (the files it wrote) beside the main reports, so they never replace them: into reports/machines/<its machine id>/
 when it ran on another machine, else into reports/models/<its model>/ when it ran another model (REPORT.md's model
 section reads those)."""
 import json
@@ -42,7 +42,8 @@ def destination(root: Path, ref: str) -> Path:
 def keep(name: str, root: Path = ROOT) -> Path:
     ref = experiment_ref(root, name)
     out = destination(root, ref)
-    for path in git(root, "ls-tree", "-r", "--name-only", ref, "reports/").split():
+    wrote = git(root, "diff", "--name-only", "--no-renames", "--diff-filter=AM", f"{ref}~1", ref, "--", "reports/")
+    for path in {"reports/machine.json", *wrote.split()}:  # not the files it carried from its baseline
         if path.startswith(("reports/machines/", "reports/models/")):
             continue
         data = subprocess.run(["git", "show", f"{ref}:{path}"], cwd=root, check=True, capture_output=True).stdout
