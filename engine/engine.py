@@ -4,7 +4,7 @@ import time
 
 from engine import machine
 from engine.config import kv_config, policy_config
-from engine.core.kv_blocks import BlockManager
+from engine.core.kv_blocks import make_pools
 from engine.core.outputs import StepEvent, StepRecord
 from engine.core.policies import make_scheduler
 from engine.core.request import Request, RequestError, SamplingParams, check_request
@@ -27,8 +27,9 @@ class LLMEngine:
         self.max_request_tokens = max_request_tokens
         net = None if runner is not None else model if isinstance(model, FlatModel) else FlatModel(model)
         if kv["name"] == "paged":
-            per_token = (runner or net).kv_bytes_per_token
-            self.scheduler.use_blocks(BlockManager.sized(kv, self.scheduler.max_running, max_request_tokens, per_token))
+            src = runner or net
+            self.scheduler.use_blocks(make_pools(kv, self.scheduler.max_running, max_request_tokens,
+                                                 src.kv_bytes_per_token, getattr(src, "windows", None)))
         if runner is None:
             seats = self.scheduler.seats.num_seats if self.scheduler.seats else 0
             runner = ModelRunner(net, make_cache(kv["name"], net, seats, max_request_tokens, self.scheduler.blocks),
@@ -58,11 +59,11 @@ class LLMEngine:
         """Raise RequestError if this engine would refuse the request; reads only fixed limits (thread-safe)."""
         check_request(prompt, params, self.vocab_size, self.max_request_tokens)
         pool, total = self.scheduler.blocks, len(prompt) + params.max_new_tokens
-        if pool is not None and pool.blocks_for(total) > pool.num_blocks - pool.watermark:
+        if pool is not None and pool.blocks_for(total) > pool.admissible:
             raise RequestError("max_new_tokens", f"prompt ({len(prompt)} tokens) + max_new_tokens "
                                f"({params.max_new_tokens}) = {total} tokens need {pool.blocks_for(total)} KV blocks "
-                               f"of {pool.block_size}; the pool has {pool.num_blocks}, of which "
-                               f"{pool.num_blocks - pool.watermark} can be admitted (the rest is the watermark)")
+                               f"of {pool.block_size}; the pool can admit {pool.admissible} for one request (the rest "
+                               "is the watermark)")
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams, arrival: float | None = None) -> Request:
         """Validate and queue; raises RequestError naming the field and the limit, admitting nothing."""

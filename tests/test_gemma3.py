@@ -13,6 +13,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
+from engine import LLMEngine
+from engine.core.kv_blocks import LayerPools, seat_bytes
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_alone
@@ -77,6 +79,9 @@ def test_paged_policies_match_generate(paged_references, policy, prefix_caching,
     eng, out, _ = run_paged(model, policy, kv, prompts, PAGED_LENS, PAGED_ARRIVE)
     for i, expected in enumerate(ref):
         assert out[str(i)] == expected, f"{policy['name']}: request {i} differs"
+    pools, cache = eng.scheduler.blocks, eng.runner.cache  # a pool per window: the windowed layers' is smaller
+    assert isinstance(pools, LayerPools) and set(pools.pools) == {6, None}
+    assert [k.shape[0] for k in cache.k] == pools.layer_blocks() and pools.pools[6].window == 6
     assert (eng.scheduler.blocks.hit_tokens > 0) == prefix_caching
     if pool == "tight" and policy["name"] != "naive":
         assert eng.scheduler.num_preemptions > 0
@@ -183,3 +188,20 @@ def test_real_model_with_a_window_shorter_than_its_prompts_on_paged_kv(real):
                             {0: [0, 1], 3: [2]})
     assert [out[str(i)] for i in range(3)] == [generate_alone(model, p, n) for p, n in zip(prompts, lens)]
     assert eng.scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+@needs_real
+def test_real_model_seats_four_times_the_requests_at_8k(real):
+    """15 of 18 layers attend 512 tokens: a paged seat keeps only their window's blocks (33 of 16 tokens), so at 8k
+    a memory budget seats 18 x 8192 / (3 x 8192 + 15 x 528) = 4.5x the requests of every layer keeping the context;
+    and the engine's paged KV on the real model is a pool per window."""
+    net = real[3]
+    assert net.windows.count(512) == 15 and net.windows.count(None) == 3
+    layer = net.kv_bytes_per_token // net.num_layers
+    more = {c: seat_bytes([None] * 18, c, layer, 16) / seat_bytes(net.windows, c, layer, 16) for c in (2048, 8192)}
+    assert more[8192] >= 4.0 and 2.0 <= more[2048] < more[8192]
+    kv = {"name": "paged", "block_size": 16, "num_blocks": None, "memory_mb": 512, "prefix_caching": True}
+    eng = LLMEngine(net, {"name": "continuous", "max_running": 64}, 8192, kv=kv)
+    assert isinstance(eng.scheduler.blocks, LayerPools)
+    assert sum(t.numel() * t.element_size() for t in eng.runner.cache.k + eng.runner.cache.v) <= 512 * 2**20

@@ -6,12 +6,19 @@ tokens). A new sequence takes the longest chain of registered blocks that matche
 against each block's stored tokens and its parent (named by a registration serial, never reused), so a hash
 collision cannot cause a wrong reuse. A freed block keeps its registration in an LRU free queue until it is taken
 for new tokens: blocks without one go first, and a request's tail blocks are queued ahead of its head.
+
+Sliding windows: a pool whose layers attend only the last `window` positions releases a running sequence's blocks
+once they lie wholly before the window of its next token (`slide`); its table keeps NULL_BLOCK in their place (a
+reserved block never handed out, read only under a mask), so a table's i-th entry is still positions [i bs, (i+1) bs).
+LayerPools: a model whose layers' windows differ (Gemma 3) keeps two pools, one for its full layers and one for its
+windowed ones, each request a table in each (vLLM's hybrid allocator, llama.cpp's SWA cache).
 """
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 Tokens = Callable[[int, int], Sequence[int]]  # (start, end) -> the sequence's tokens at those positions
+NULL_BLOCK = 0  # a windowed pool's table entry for positions its window has left (reserved in such a pool)
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -35,18 +42,43 @@ class BlockTable:
     full: int = 0              # leading blocks registered (or found registered already)
     key: int | None = None     # chain hash of block full - 1
     serial: int | None = None  # serial its next block names as parent
+    slid: int = 0              # leading blocks released by a sliding window (NULL_BLOCK in `blocks`)
+
+
+def needs_bytes(kv_bytes_per_token: int | None) -> int:
+    """A pool sized in MiB needs the model's KV bytes per token."""
+    if kv_bytes_per_token is None:
+        raise ValueError("kv.memory_mb needs the model's KV bytes per token; without a model (a simulation) give "
+                         "kv.num_blocks")
+    return kv_bytes_per_token
+
+
+def kept_blocks(window: int | None, context: int, block_size: int) -> int:
+    """Blocks a decoding sequence of `context` tokens holds in a pool of this window: its next token's window spans
+    at most blocks_for(window) + 1 of them; a full layer's pool holds them all."""
+    whole = -(-context // block_size)
+    return whole if window is None else min(whole, -(-window // block_size) + 1)
+
+
+def seat_bytes(layer_windows: list, context: int, layer_token_bytes: int, block_size: int) -> int:
+    """K/V bytes one decoding sequence of `context` tokens holds, each layer its window's blocks (paged)."""
+    return sum(kept_blocks(w, context, block_size) for w in layer_windows) * block_size * layer_token_bytes
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, watermark: int = 1, prefix_caching: bool = True):
-        """watermark: blocks that admitting a new sequence must leave free (running requests may use them)."""
-        if block_size < 1 or watermark < 0 or num_blocks <= watermark:
+    def __init__(self, num_blocks: int, block_size: int = 16, watermark: int = 1, prefix_caching: bool = True,
+                 window: int | None = None):
+        """watermark: blocks that admitting a new sequence must leave free (running requests may use them); window:
+        the pool's layers attend the last `window` positions (None: all), NULL_BLOCK then reserved."""
+        reserved = 0 if window is None else 1
+        if block_size < 1 or watermark < 0 or num_blocks - reserved <= watermark or (window is not None and window < 1):
             raise ValueError(f"a pool of {num_blocks} blocks of {block_size} tokens with {watermark} kept free at "
-                             "admission holds nothing: need block_size >= 1 and num_blocks > watermark >= 0")
-        self.num_blocks, self.block_size = num_blocks, block_size
+                             f"admission{' and one reserved' if reserved else ''} holds nothing: need block_size >= 1, "
+                             "num_blocks > watermark >= 0 (and window >= 1)")
+        self.num_blocks, self.reserved, self.block_size, self.window = num_blocks, reserved, block_size, window
         self.watermark, self.prefix_caching = watermark, prefix_caching
-        self.ref = [0] * num_blocks                               # block -> tables holding it
-        self._free = OrderedDict.fromkeys(range(num_blocks))      # unreferenced blocks; taken from the front
+        self.ref = [0] * num_blocks                               # block -> tables holding it (NULL_BLOCK: none)
+        self._free = OrderedDict.fromkeys(range(reserved, num_blocks))  # unreferenced blocks; taken from the front
         self._tables: dict[str, BlockTable] = {}                       # rid -> its table
         self._entry: dict[int, Entry] = {}                        # registered block -> its entry
         self._by_key: dict[int, int] = {}                         # chain hash -> registered block
@@ -55,7 +87,8 @@ class BlockManager:
         self.hit_tokens = 0        # of which found in the prefix cache (K/V not computed again)
 
     @classmethod
-    def sized(cls, kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None) -> "BlockManager":
+    def sized(cls, kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
+              window: int | None = None) -> "BlockManager":
         """The pool a paged conf/kv entry asks for: num_blocks; else memory_mb (MiB) / (block_size x the model's
         KV bytes per token); else the slot cache's size (num_seats x max_request_tokens) plus the watermark. Admission
         keeps the watermark fraction of the blocks free, at least one."""
@@ -63,14 +96,11 @@ class BlockManager:
         if kv["num_blocks"] is not None:
             n = int(kv["num_blocks"])
         elif kv["memory_mb"] is not None:
-            if kv_bytes_per_token is None:
-                raise ValueError("kv.memory_mb needs the model's KV bytes per token; without a model (a simulation) "
-                                 "give kv.num_blocks")
-            n = int(kv["memory_mb"] * 2**20 // (bs * kv_bytes_per_token))
+            n = int(kv["memory_mb"] * 2**20 // (bs * needs_bytes(kv_bytes_per_token)))
         else:  # every running request's worst case, and the watermark on top, so that all of them can be admitted
             n = num_seats * -(-max_request_tokens // bs)
-            n += max(1, int(kv["watermark"] * n))
-        return cls(n, bs, max(1, int(kv["watermark"] * n)), bool(kv["prefix_caching"]))
+            n += max(1, int(kv["watermark"] * n)) + (window is not None)
+        return cls(n, bs, max(1, int(kv["watermark"] * n)), bool(kv["prefix_caching"]), window)
 
     @property
     def num_free(self) -> int:
@@ -78,7 +108,12 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.reserved - len(self._free)
+
+    @property
+    def admissible(self) -> int:
+        """The most blocks one sequence can be admitted with: all but the reserved and the watermark."""
+        return self.num_blocks - self.reserved - self.watermark
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -87,14 +122,15 @@ class BlockManager:
         return self._tables[rid].blocks
 
     # --- admission -------------------------------------------------------------------------
-    def _match(self, num_tokens: int, tokens: Tokens) -> tuple[list[int], int | None, int | None]:
+    def _match(self, num_tokens: int, tokens: Tokens, most: int | None = None) -> tuple[list[int], int | None,
+                                                                                        int | None]:
         """The registered chain matching the sequence's first full blocks, at most num_tokens - 1 tokens (one is
-        always computed): (blocks, chain hash and serial of the last)."""
+        always computed) and `most` blocks: (blocks, chain hash and serial of the last)."""
         blocks, key, serial = [], None, None
         if not self.prefix_caching:
             return blocks, key, serial
-        bs = self.block_size
-        for i in range((num_tokens - 1) // bs):
+        bs, limit = self.block_size, (num_tokens - 1) // self.block_size
+        for i in range(limit if most is None else min(most, limit)):
             span = tuple(tokens(i * bs, (i + 1) * bs))
             k = chain_hash(key, span)
             e = self._entry.get(self._by_key.get(k))
@@ -104,16 +140,21 @@ class BlockManager:
             key, serial = k, e.serial
         return blocks, key, serial
 
-    def can_allocate(self, num_tokens: int, tokens: Tokens) -> bool:
-        """Room for a new sequence of num_tokens: its blocks less the cached hits, taken from the free queue (hits
-        resting there included), leaving `watermark` blocks free."""
-        hits, _, _ = self._match(num_tokens, tokens)
+    def hits(self, num_tokens: int, tokens: Tokens) -> int:
+        """Blocks of the sequence's first tokens found in the prefix cache."""
+        return len(self._match(num_tokens, tokens)[0])
+
+    def can_allocate(self, num_tokens: int, tokens: Tokens, most: int | None = None) -> bool:
+        """Room for a new sequence of num_tokens: its blocks less the cached hits (at most `most`), taken from the
+        free queue (hits resting there included), leaving `watermark` blocks free."""
+        hits, _, _ = self._match(num_tokens, tokens, most)
         taken = self.blocks_for(num_tokens) - len(hits) + sum(1 for b in hits if self.ref[b] == 0)
         return self.num_free - taken >= self.watermark
 
-    def allocate(self, rid: str, num_tokens: int, tokens: Tokens) -> int:
-        """A table holding a new sequence of num_tokens (after can_allocate); returns the tokens found cached."""
-        hits, key, serial = self._match(num_tokens, tokens)
+    def allocate(self, rid: str, num_tokens: int, tokens: Tokens, most: int | None = None) -> int:
+        """A table holding a new sequence of num_tokens (after can_allocate), at most `most` of its blocks taken from
+        the prefix cache; returns the tokens found cached."""
+        hits, key, serial = self._match(num_tokens, tokens, most)
         for b in hits:
             if self.ref[b] == 0:
                 del self._free[b]
@@ -163,23 +204,173 @@ class BlockManager:
                 t.serial = self._serial
             t.key, t.full = key, t.full + 1
 
+    def slide(self, rid: str, num_computed: int) -> None:
+        """A windowed pool: release the table's blocks wholly before the window of its next token (at position
+        num_computed), NULL_BLOCK in their place; nothing without a window."""
+        if self.window is None:
+            return
+        t = self._tables[rid]
+        first = max(0, num_computed + 1 - self.window) // self.block_size  # blocks before it are out of every window
+        for i in range(t.slid, min(first, len(t.blocks))):
+            self._release(t.blocks[i])
+            t.blocks[i] = NULL_BLOCK
+        t.slid = max(t.slid, min(first, len(t.blocks)))
+
+    def _release(self, b: int) -> None:
+        """One table fewer holds block b; unheld, it joins the free queue: at the tail when registered (evicted
+        last), else at the front (taken first)."""
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            self._free[b] = None
+            if b not in self._entry:
+                self._free.move_to_end(b, last=False)
+
     def free(self, rid: str) -> None:
         """Drop a request's table. Blocks no one else holds join the free queue tail first (so they are evicted
         before its head); unregistered ones go to the front (taken first)."""
-        for b in reversed(self._tables.pop(rid).blocks):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self._free[b] = None
-                if b not in self._entry:
-                    self._free.move_to_end(b, last=False)
+        t = self._tables.pop(rid)
+        for b in reversed(t.blocks[t.slid:]):
+            self._release(b)
 
     def check(self) -> None:
         """Assert the pool's invariants."""
-        held = Counter(b for t in self._tables.values() for b in t.blocks)
+        held = Counter(b for t in self._tables.values() for b in t.blocks[t.slid:])
+        assert all(set(t.blocks[:t.slid]) <= {NULL_BLOCK} for t in self._tables.values()), "slid entries are null"
+        assert not self.reserved or (self.ref[NULL_BLOCK] == 0 and NULL_BLOCK not in self._free), "null: unheld"
         assert sum(self.ref) == sum(held.values()), "reference counts sum to the table entries"
         assert all(self.ref[b] == held[b] for b in range(self.num_blocks)), "each block's count = tables holding it"
-        assert all((self.ref[b] == 0) == (b in self._free) for b in range(self.num_blocks)), "free = unreferenced"
-        assert self.num_free + sum(1 for r in self.ref if r) == self.num_blocks, "free + used = total"
+        assert all((self.ref[b] == 0) == (b in self._free) for b in range(self.reserved, self.num_blocks)), \
+            "free = unreferenced"
+        assert self.num_free + sum(1 for r in self.ref if r) == self.num_blocks - self.reserved, "free + used = all"
         assert len(self._by_key) == len(self._entry), "one key per registered block"
         assert all(self._by_key[e.key] == b for b, e in self._entry.items()), "each key names its block"
-        assert all(len(set(t.blocks)) == len(t.blocks) and t.full <= len(t.blocks) for t in self._tables.values())
+        assert all(len(set(t.blocks[t.slid:])) == len(t.blocks) - t.slid and t.full <= len(t.blocks)
+                   for t in self._tables.values())
+
+
+class LayerPools:
+    """Paged KV for a model whose layers' windows differ: one BlockManager per window (None: the full layers), each
+    request a table in each. Admission, growth, registration and freeing act on every pool; a prefix-cache hit is
+    the blocks every pool holds. Counts (num_blocks, num_used, num_free) are in blocks of every layer's K/V: each
+    pool's weighted by its share of the layers."""
+
+    def __init__(self, pools: dict, layer_windows: list):
+        self.pools, self.layer_windows = pools, list(layer_windows)  # window -> BlockManager; each layer's window
+        first = next(iter(pools.values()))
+        self.block_size, self.prefix_caching = first.block_size, first.prefix_caching
+        self._share = {w: self.layer_windows.count(w) / len(self.layer_windows) for w in pools}
+        self.queried_tokens = self.hit_tokens = 0
+
+    @classmethod
+    def sized(cls, kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
+              layer_windows: list) -> "LayerPools":
+        """The pools a paged conf/kv entry asks for. Seats: num_seats (none given), kv.num_blocks / the blocks of
+        one max_request_tokens sequence, or memory_mb over the bytes a seat keeps (each windowed pool its window's
+        blocks plus one, the full pool the whole sequence). Each pool holds its seats' blocks, a windowed pool also
+        one whole sequence more (a prompt's blocks while it is prefilled), and its watermark."""
+        bs, wm = int(kv["block_size"]), float(kv["watermark"])
+        whole = -(-max_request_tokens // bs)
+        keep = {w: kept_blocks(w, max_request_tokens, bs) for w in dict.fromkeys(layer_windows)}
+        layers = {w: layer_windows.count(w) for w in keep}
+        extra = {w: whole - keep[w] for w in keep}  # one prompt prefilled whole
+        if kv["num_blocks"] is not None:
+            seats = int(kv["num_blocks"]) / whole
+        elif kv["memory_mb"] is not None:
+            block = bs * needs_bytes(kv_bytes_per_token) / len(layer_windows)  # bytes of one layer's block
+            budget = kv["memory_mb"] * 2**20 / block - sum(layers[w] * (extra[w] + (w is not None)) for w in keep)
+            seats = budget / sum(layers[w] * keep[w] for w in keep)
+            if seats < 1:
+                need = sum(layers[w] * (keep[w] + extra[w] + (w is not None)) for w in keep)  # layer blocks
+                raise ValueError(f"kv.memory_mb = {kv['memory_mb']} MiB holds no request of {max_request_tokens} "
+                                 f"tokens (a seat per window, and one whole prompt in each windowed pool): give at "
+                                 f"least {int(need * block / 2**20) + 1} MiB or a smaller max_request_tokens")
+        else:
+            seats = num_seats
+        pools = {}
+        for w in keep:
+            n = int(seats * keep[w]) + extra[w]
+            n += (kv["memory_mb"] is None and kv["num_blocks"] is None) * max(1, int(wm * n)) + (w is not None)
+            pools[w] = BlockManager(n, bs, max(1, int(wm * n)), bool(kv["prefix_caching"]), w)
+        return cls(pools, layer_windows)
+
+    def _weighted(self, count) -> int:
+        return round(sum(self._share[w] * count(p) for w, p in self.pools.items()))
+
+    @property
+    def num_blocks(self) -> int:
+        return self._weighted(lambda p: p.num_blocks)
+
+    @property
+    def num_used(self) -> int:
+        return self._weighted(lambda p: p.num_used)
+
+    @property
+    def num_free(self) -> int:
+        return self._weighted(lambda p: p.num_free)
+
+    @property
+    def admissible(self) -> int:
+        return min(p.admissible for p in self.pools.values())
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def layer_blocks(self) -> list[int]:
+        """Each layer's pool size (its cache tensor's blocks)."""
+        return [self.pools[w].num_blocks for w in self.layer_windows]
+
+    def table(self, rid: str) -> list[int]:
+        """The full layers' table (the first pool's where every layer is windowed)."""
+        return self.pools[None if None in self.pools else next(iter(self.pools))].table(rid)
+
+    def tables(self, rid: str) -> dict:
+        """Window -> the request's table in that pool."""
+        return {w: tuple(p.table(rid)) for w, p in self.pools.items()}
+
+    def _hits(self, num_tokens: int, tokens: Tokens) -> int:
+        return min(p.hits(num_tokens, tokens) for p in self.pools.values())
+
+    def can_allocate(self, num_tokens: int, tokens: Tokens) -> bool:
+        most = self._hits(num_tokens, tokens)
+        return all(p.can_allocate(num_tokens, tokens, most) for p in self.pools.values())
+
+    def allocate(self, rid: str, num_tokens: int, tokens: Tokens) -> int:
+        most = self._hits(num_tokens, tokens)
+        got = {p.allocate(rid, num_tokens, tokens, most) for p in self.pools.values()}
+        self.queried_tokens += num_tokens
+        self.hit_tokens += most * self.block_size
+        assert got == {most * self.block_size}, "every pool takes the common hit"
+        return most * self.block_size
+
+    def grow(self, rid: str, num_tokens: int) -> bool:
+        """Every pool's table holds num_tokens, or none changes (False)."""
+        if any(p.blocks_for(num_tokens) - len(p.table(rid)) > p.num_free for p in self.pools.values()):
+            return False
+        return all([p.grow(rid, num_tokens) for p in self.pools.values()])
+
+    def cache(self, rid: str, num_computed: int, tokens: Tokens) -> None:
+        for p in self.pools.values():
+            p.cache(rid, num_computed, tokens)
+
+    def slide(self, rid: str, num_computed: int) -> None:
+        for p in self.pools.values():
+            p.slide(rid, num_computed)
+
+    def free(self, rid: str) -> None:
+        for p in self.pools.values():
+            p.free(rid)
+
+    def check(self) -> None:
+        for p in self.pools.values():
+            p.check()
+        assert len({frozenset(p._tables) for p in self.pools.values()}) == 1, "every pool holds the same requests"
+
+
+def make_pools(kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
+               layer_windows: list | None = None) -> BlockManager | LayerPools:
+    """The paged KV a conf/kv entry asks for, for a model whose layers attend `layer_windows` (None: a model-free
+    simulation, every layer full): one pool where every layer shares a window (or none), else LayerPools."""
+    windows = list(dict.fromkeys(layer_windows or [None]))
+    if len(windows) == 1:
+        return BlockManager.sized(kv, num_seats, max_request_tokens, kv_bytes_per_token, windows[0])
+    return LayerPools.sized(kv, num_seats, max_request_tokens, kv_bytes_per_token, list(layer_windows))

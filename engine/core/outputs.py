@@ -16,6 +16,7 @@ class ScheduledChunk:
     zombie: bool = False               # a finished row kept in a static batch: computed, then discarded
     seat: int | None = None            # slot cache: the row holding the request's K/V
     blocks: tuple[int, ...] = ()       # paged KV: the request's block table (its positions in order)
+    tables: dict | None = None         # paged KV in LayerPools: window -> the request's table in that pool
     params: SamplingParams | None = None  # the request's sampling, on chunks that sample
     history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, for penalized sampling
 

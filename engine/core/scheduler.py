@@ -2,16 +2,16 @@
 (engine/core/policies.py); the bookkeeping they share (queue, admission, appending tokens, finishing) lives here.
 
 On the slot cache each running request holds a seat (a row of the cache). On a paged cache (`use_blocks`) its K/V
-live in blocks of an engine.blocks.BlockManager: admission needs blocks for the whole sequence (less its
-prefix-cache hits), and after every step each running request gets the block its next token lands in; when none is
-free the newest running request is preempted (its blocks freed; back to the front of the queue with its output,
-prefilled again on readmission).
+live in blocks of an engine.blocks.BlockManager (LayerPools where layers' windows differ): admission needs blocks
+for the whole sequence (less its prefix-cache hits), and after every step each running request releases the blocks
+its windows have left and gets the block its next token lands in; when none is free the newest running request is
+preempted (its blocks freed; back to the front of the queue with its output, prefilled again on readmission).
 """
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 
-from engine.core.kv_blocks import BlockManager
+from engine.core.kv_blocks import BlockManager, LayerPools
 from engine.core.outputs import KVUsage, RunnerOutput, ScheduledChunk, SchedulerOutput, StepEvent
 from engine.core.request import Request, SamplingParams, Status, stop_reason
 
@@ -48,7 +48,7 @@ class Scheduler(ABC):
         self.max_running = max_running
         self.max_request_tokens = max_request_tokens     # prompt + output of one request
         self.seats: SeatTable | None = SeatTable(max_running)  # the slot cache's rows; None on paged KV
-        self.blocks: BlockManager | None = None          # paged KV (use_blocks)
+        self.blocks: BlockManager | LayerPools | None = None  # paged KV (use_blocks)
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []                 # admitted, in admission order
@@ -58,7 +58,7 @@ class Scheduler(ABC):
         self._preempted_since: list[str] = []
         self._queried = 0                                # blocks.queried_tokens at the last plan
 
-    def use_blocks(self, blocks: BlockManager) -> None:
+    def use_blocks(self, blocks: BlockManager | LayerPools) -> None:
         """Keep the K/V of running requests in a paged pool instead of a seat each."""
         if self.holds_finished:
             raise ValueError(f"policy {type(self).__name__.lower()!r} runs on the slot cache only (kv=slot): a "
@@ -105,6 +105,7 @@ class Scheduler(ABC):
             req.num_computed += len(ch.tokens)
             if self.blocks is not None:
                 self.blocks.cache(req.rid, req.num_computed, req.tokens)
+                self.blocks.slide(req.rid, req.num_computed)
             if ch.zombie or not ch.sample or req.status is Status.FINISHED:
                 continue
             token = out.tokens[ch.rid]
@@ -177,8 +178,9 @@ class Scheduler(ABC):
         tokens = req.next_tokens(limit)
         last = req.num_computed + len(tokens) >= req.prefill_len  # the chunk reaches the end of the prefill
         table = tuple(self.blocks.table(req.rid)) if self.blocks is not None else ()
+        tables = self.blocks.tables(req.rid) if isinstance(self.blocks, LayerPools) else None
         return ScheduledChunk(req.rid, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt,
-                              seat=req.seat, blocks=table, params=req.params if last else None,
+                              seat=req.seat, blocks=table, tables=tables, params=req.params if last else None,
                               history=(req.prompt, req.output) if last and req.params.penalized else None)
 
     def _zombie(self, req: Request) -> ScheduledChunk:

@@ -121,7 +121,8 @@ def ops():
 
 def capabilities() -> dict | None:
     """What the loaded build runs: {"isa": AVX512, AVX2 or scalar, "q4_1_vnni": Q4_1's integer products run here,
-    "bf16_dot": the bf16 pairs multiply by vdpbf16ps here (else widened, FMA), "products": lab.layers' product kinds in enum order}; None unbuilt."""
+    "bf16_dot": the bf16 pairs multiply by vdpbf16ps here (else widened, FMA), "products": lab.layers' product kinds
+    in enum order}; None unbuilt."""
     lab = ops()
     if lab is None:
         return None

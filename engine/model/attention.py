@@ -142,3 +142,4 @@ class StepInputs:
     logit_rows: torch.Tensor           # the tokens whose logits are taken
     attention: DenseDecode | EqualPrompts | Spans | Padded | ByLayer
     end: int                           # one past the largest position (known on the host: no read-back)
+    pools: dict | None = None          # LayerPools: window -> [T] the block of that window's pool holding each token

@@ -145,7 +145,10 @@ class FlatModel:
         cos, sin = self._rope(inputs.positions, inputs.end, traced=traced)  # [T, D x tables]
         T = inputs.ids.shape[0]
         rows = cache.rows(inputs.places, inputs.positions)  # flat cache rows of this step's tokens
-        args = self._lab_args(T, inputs.attention) if not traced and not isinstance(cache, CatCache) else None
+        pool_rows = None if inputs.pools is None else \
+            {w: cache.rows(p, inputs.positions) for w, p in inputs.pools.items()}  # each window's pool's rows
+        args = self._lab_args(T, inputs.attention) \
+            if not traced and not isinstance(cache, CatCache) and inputs.pools is None else None
         if args is not None:  # every layer in one call (not on the cat cache, which grows in write)
             a = inputs.attention
             spans, keys = (a.spans, a.key_rows) if isinstance(a, Spans) else (None, None)
@@ -162,7 +165,7 @@ class FlatModel:
                 qk = self._norm(qk, layer.qk_norm)
             qk = self._rotary(qk, *ropes[self.rope_index[i]])
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + KV) * D:].view(T, KV, D)
-            cache.write(i, rows, k, v, self.ops)
+            cache.write(i, rows if pool_rows is None else pool_rows[self.windows[i]], k, v, self.ops)
             attn = inputs.attention.attend(self, i, q, k, v, cache).reshape(T, H * D)  # a view on real devices
             if layer.attn_out_norm is None:
                 x = layer.o(attn, residual=x)

@@ -4,7 +4,8 @@ SlotCache: one preallocated seat (a row of positions) per running request, writt
   seats, `gather` any seats.
 CatCache: the growing cache of a naive engine, extended with torch.cat whenever a step needs more length.
 PagedCache: a fixed pool of blocks shared by all requests (engine.blocks hands them out); `gather` reads each
-  sequence's keys through its block table.
+  sequence's keys through its block table. Where layers' windows differ (LayerPools), each layer's blocks are its
+  window's pool's: a windowed layer holds fewer.
 """
 import torch
 
@@ -85,9 +86,14 @@ class PagedCache(SlotCache):
     """A pool of blocks of `block_size` positions; a request's K/V live in the blocks its table lists, in order.
     Stored like a slot cache with one row per block: [block, kv head, offset, dim]."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        super().__init__(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    def __init__(self, num_layers: int, num_blocks: int | list[int], block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        """num_blocks: every layer's, or each layer's (LayerPools)."""
+        per_layer = num_blocks if isinstance(num_blocks, list) else [num_blocks] * num_layers
+        super().__init__(num_layers, 0, block_size, num_kv_heads, head_dim, dtype, device)
+        shape = (num_kv_heads, block_size, head_dim)  # per block: [kv head, offset, dim]
+        self.k = [torch.zeros((n, *shape), dtype=dtype, device=device) for n in per_layer]
+        self.v = [torch.zeros((n, *shape), dtype=dtype, device=device) for n in per_layer]
         self.block_size = block_size
         self._offsets = torch.arange(block_size, device=device)
 
@@ -114,5 +120,6 @@ def make_cache(name: str, net, num_seats: int, max_request_tokens: int, blocks=N
     (slot; cat's rows grow up to that length), or the pool of an engine.blocks.BlockManager (paged)."""
     shape = (net.num_kv_heads, net.head_dim, net.kv_dtype, net.device)
     if name == "paged":
-        return PagedCache(net.num_layers, blocks.num_blocks, blocks.block_size, *shape)
+        per_layer = blocks.layer_blocks() if hasattr(blocks, "layer_blocks") else blocks.num_blocks
+        return PagedCache(net.num_layers, per_layer, blocks.block_size, *shape)
     return {"slot": SlotCache, "cat": CatCache}[name](net.num_layers, num_seats, max_request_tokens, *shape)

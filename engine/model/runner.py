@@ -25,6 +25,12 @@ from engine.model.attention import (
 from engine.model.device import to_device
 from engine.model.sampler import Sampler, token_logprobs
 
+
+def table(chunk, win) -> tuple[int, ...]:
+    """The chunk's block table for layers of window `win`: its own pool's where LayerPools keep one per window."""
+    return chunk.blocks if chunk.tables is None else chunk.tables[win]
+
+
 SAMPLER_SPAN = "lab::sampler"  # the step's token choice, as torch.profiler names it (probe_hardware's step split)
 KEY_BUCKET = 128  # keys: decode steps with graphs pad their context to a multiple of this
 
@@ -63,7 +69,11 @@ class ModelRunner:
         T = len(ids)  # the four index lists travel as one tensor, split into views
         flat = self._tensor(ids + positions + places + logit_rows).split([T, T, T, len(logit_rows)])
         attention = self._attention(plan.chunks, places, positions, decodes, prompts)
-        return StepInputs(*flat, attention, max(positions, default=-1) + 1)
+        pools = None  # LayerPools: each window's pool's blocks of the step's tokens
+        if plan.chunks and plan.chunks[0].tables is not None:
+            pools = {w: self._tensor([c.tables[w][p // bs] for c in plan.chunks
+                                      for p in range(c.start, c.start + len(c.tokens))]) for w in plan.chunks[0].tables}
+        return StepInputs(*flat, attention, max(positions, default=-1) + 1, pools)
 
     def _attention(self, chunks, places, positions, decodes, prompts):
         """The step's path for every layer: one, or one per window where layers' windows differ (ByLayer)."""
@@ -94,7 +104,7 @@ class ModelRunner:
         bs = self.block_size
         seq = places if bs is None else [i for i, c in enumerate(chunks) for _ in c.tokens]
         spans = [(s, window_start(p, win), p + 1) for s, p in zip(seq, positions)]
-        rows = None if bs is None else self._keys([c.blocks for c in chunks], -(-(max(positions) + 1) // bs) * bs)
+        rows = None if bs is None else self._keys([table(c, win) for c in chunks], -(-(max(positions) + 1) // bs) * bs)
         return Spans(self._tensor(spans), rows)
 
     def _decode_part(self, decodes, win) -> DecodePart | None:
@@ -104,7 +114,7 @@ class ModelRunner:
         if self.block_size is not None:  # each decode reads whole blocks through its table; keys past it masked
             length = -(-max(lens) // self.block_size) * self.block_size
             return DecodePart(tokens, None, len(lens), length, self._bias(lens, length, win),
-                              self._keys([c.blocks for _, c in decodes], length))
+                              self._keys([table(c, win) for _, c in decodes], length))
         seats, length = [c.seat for _, c in decodes], max(lens)
         seat_len = [1] * (max(seats) + 1)  # seats not decoding attend to position 0 (discarded)
         for s, n in zip(seats, lens):
@@ -128,7 +138,7 @@ class ModelRunner:
             seats = self._tensor([c.seat for _, c in prompts])
         else:
             length = -(-length // self.block_size) * self.block_size
-            keys = self._keys([c.blocks for _, c in prompts], length)
+            keys = self._keys([table(c, win) for _, c in prompts], length)
         return PromptPart(self._tensor(tokens), self._tensor(grid), seats, (len(prompts), longest, length),
                           self._mask(extents, longest, length, win), keys)
 

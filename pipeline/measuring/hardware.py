@@ -8,7 +8,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import LLMEngine, SamplingParams
-from engine.config import engine_weights, group_entry, options
+from engine.config import engine_weights, group_entry, kv_config, options
+from engine.core.kv_blocks import seat_bytes
 from engine.kernels import build
 from engine.kernels.choice import BUCKETS
 from engine.model.forward import HEAD_SPAN, FlatModel
@@ -20,7 +21,7 @@ from pipeline.measuring.timing import bandwidth_gbs, best_of, step_floor_ms
 from pipeline.workloads.prompts import prompts_for
 
 BATCHES = [1, 4, 16, 64, 128]
-CONTEXTS = [1024, 4096]
+CONTEXTS = [1024, 2048, 4096, 8192]
 SPLIT_BATCHES = [1, 64]  # decode steps whose time is split by part
 PARTS = {"LM head": (HEAD_SPAN,),
          "sampler": (SAMPLER_SPAN,),
@@ -135,8 +136,12 @@ def probe(cfg, model) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory if dev.startswith("cuda") else \
         int(open("/proc/meminfo").readline().split()[1]) * 1024
     budget = 0.8 * total - weight_bytes  # 80% of the device's memory, less the weights
-    seats = [{"context": c, "kv_mb_per_seat": c * kv / 2**20, "seats_that_fit": int(budget // (c * kv))}
-             for c in CONTEXTS]
+    bs, layer_kv = int(kv_config("paged")["block_size"]), kv // net.num_layers
+    seats = []
+    for c in CONTEXTS:  # each layer its window's blocks (paged), against every layer keeping the whole context
+        held = seat_bytes(net.windows, c, layer_kv, bs)
+        seats.append({"context": c, "kv_mb_per_seat": held / 2**20, "seats_that_fit": int(budget // held),
+                      "seats_every_layer_full": int(budget // seat_bytes([None] * net.num_layers, c, layer_kv, bs))})
     return {"model": cfg.model.name, "precision": cfg.precision.name, "compute": cfg.precision.compute,
             "dtype": cfg.precision.dtype, "params": params, "weight_bytes": weight_bytes,
             "bandwidth_gbs": bw, "gflops": flops, "ridge_flop_per_byte": ridge, "floors": floors,

@@ -90,8 +90,17 @@ def render(h: dict) -> str:
               f"Budget: 80% of {h['memory_bytes'] / 2**30:.0f} GiB less the weights = "
               f"{h['kv_budget_bytes'] / 2**30:.1f} GiB.", "",
               "| context per seat, tokens | KV per seat, MiB | seats that fit |", "|---|---|---|"]
+    windowed = any(s.get("seats_every_layer_full", s["seats_that_fit"]) != s["seats_that_fit"] for s in h["seats"])
+    if windowed:  # layers of a sliding window keep only it (paged blocks): against every layer keeping the context
+        lines[-2:] = ["| context per seat, tokens | KV per seat, MiB | seats that fit | seats if every layer kept the "
+                      "context | more seats |", "|---|---|---|---|---|"]
     for s in h["seats"]:
-        lines.append(f"| {s['context']} | {s['kv_mb_per_seat']:.1f} | {s['seats_that_fit']} |")
+        row = f"| {s['context']} | {s['kv_mb_per_seat']:.1f} | {s['seats_that_fit']} |"
+        full = s.get("seats_every_layer_full")
+        lines.append(row + (f" {full} | {s['seats_that_fit'] / max(full, 1):.2f}x |" if windowed else ""))
+    if windowed:
+        lines += ["", "A windowed layer keeps only its window's blocks (paged KV: the blocks its next token's window "
+                  "spans, block rounding included), a full layer the whole context (engine/core/kv_blocks.py)."]
     return "\n".join(lines) + "\n"
 
 

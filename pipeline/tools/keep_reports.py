@@ -1,7 +1,7 @@
 """`python -m pipeline.tools.keep_reports [experiment name]` (default gpu-check): copy reports/ of the newest DVC
-experiment of that name (the files it wrote) beside the main reports, so they never replace them: into reports/machines/<its machine id>/
-when it ran on another machine, else into reports/models/<its model>/ when it ran another model (REPORT.md's model
-section reads those)."""
+experiment of that name (the files it wrote) beside the main reports, so they never replace them: into
+reports/machines/<its machine id>/ when it ran on another machine, else into reports/models/<its model>/ when it ran
+another model (REPORT.md's model section reads those)."""
 import json
 import subprocess
 import sys
