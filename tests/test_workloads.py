@@ -1,4 +1,6 @@
 """Workloads are seeded data; static slot efficiency measured on the engine matches the prediction from the workload."""
+import time
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -66,3 +68,19 @@ def test_same_seed_same_sampled_tokens(tiny_llama):
     runs = [LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, 64, seed=3).generate([[5, 6], [7]], p)
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 4},
+                                    {"name": "dynamic", "max_batch": 4, "max_wait_ms": 2000}])
+def test_idle_gaps_cost_no_wall_time_and_keep_every_time(tiny_llama, policy):
+    """Three requests 30 s apart (a dynamic batcher also waiting out its 2 s deadline): the replay skips what the
+    engine spends idle, so it takes seconds, while every arrival and token keeps its place on the replay clock."""
+    wl = pd.DataFrame({"rid": ["a", "b", "c"], "prompt": [[5, 6, 7]] * 3, "prompt_tokens": [3] * 3,
+                       "output_tokens": [4] * 3, "arrival_steps": [0, 3000, 6000], "is_long": [False] * 3})
+    eng = LLMEngine(tiny_llama, policy, 64)
+    t0 = time.perf_counter()
+    req, steps, wall = replay(eng, wl, step_s=0.01)
+    assert time.perf_counter() - t0 < 10 and wall > 60
+    assert req["complete"].all() and list(req["arrival"]) == [0.0, 30.0, 60.0]
+    wait = 2.0 if policy["name"] == "dynamic" else 0.0  # a lone request launches at its deadline
+    assert all(wait <= f - a < wait + 1 for a, f in zip(req["arrival"], req["first_token"]))

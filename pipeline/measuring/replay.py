@@ -1,7 +1,8 @@
 """Replay a saved workload through the engine on the wall clock: arrivals at their absolute times, every token timed;
-one run's summary row, and a table of runs saved in the results format (used by bench_engine and sweeps)."""
+one run's summary row, and a table of runs saved in the results format (used by bench_engine and sweeps). Where the
+engine can run nothing until the next arrival or batching deadline, its clock skips the idle gap (LLMEngine.skip_to)
+instead of sleeping through it: every step runs and is timed as it would, and no wall time passes idle."""
 import hashlib
-import time
 from dataclasses import asdict
 
 import pandas as pd
@@ -40,9 +41,10 @@ def replay(engine: LLMEngine, workload: pd.DataFrame, step_s: float, concurrency
     Open loop: request i arrives at arrival_steps[i] * step_s. Closed loop (`concurrency`): c requests start at 0
     and each finished request lets the next one in. A request still unfinished when nothing more can happen
     (a static batcher that never fills) or at `time_limit_s` is recorded as incomplete, not waited on forever.
-    `wait_until(t)` waits until engine time t (default: sleep on the wall clock); a simulation jumps its clock.
+    `wait_until(t)` brings engine time to t, reached only when no step can run before it (default: the engine's
+    clock skips there; a simulation jumps its virtual clock).
     """
-    wait_until = wait_until or (lambda t: time.sleep(max(0.0, t - engine.now())))
+    wait_until = wait_until or engine.skip_to
     rows = workload.sort_values("arrival_steps", kind="stable").to_dict("records")
     if concurrency:
         for i, r in enumerate(rows):
