@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from omegaconf import OmegaConf
 
+from engine.config import ROOT
+from pipeline.tools import peer
 from pipeline.tools.peers import llama_cpp
 
 AVX512 = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8"}
@@ -66,3 +68,10 @@ def test_the_server_runs_continuous_batching_without_a_prompt_cache(tmp_path):
     args = llama_cpp.command(tmp_path / "llama-server", tmp_path / "m.gguf", p, 2, 8080)
     assert args[args.index("-np") + 1] == "64" and args[args.index("-c") + 1] == str(64 * 512)
     assert {"--cont-batching", "--no-cache-prompt"} <= set(args) and args[args.index("-t") + 1] == "2"
+
+
+def test_the_peer_names_the_files_quantization_and_another_model_reports_beside_its_own():
+    assert llama_cpp.precision_of("SmolLM2-135M-Instruct.Q4_1.gguf") == "Q4_1 (llama.cpp)"
+    assert llama_cpp.precision_of("gemma-3-270m-q4_k_m.gguf") == "Q4_K_M (llama.cpp)"
+    assert peer.reports_for("smollm2-135m") == ROOT / "reports"
+    assert peer.reports_for("gemma3-270m") == ROOT / "reports" / "models" / "gemma3-270m"

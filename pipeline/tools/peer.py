@@ -2,8 +2,10 @@
 openvino: pipeline/tools/peers/) beside the lab on the same model, machine, concurrencies and requests, back to back
 (reports/peer.json, reports/PEER.md). Servers (llama.cpp, vLLM) are loaded with the lab's closed-loop client like
 the lab's engine server at each of bench.peer.lab_levels; OpenVINO GenAI runs in-process, like the lab's engine
-in-process. A peer that cannot run here gets a row with its own error; the lab's .venv is checked unchanged."""
+in-process. A peer that cannot run here gets a row with its own error; the lab's .venv is checked unchanged. Another
+model than the configured default (model=...) writes to reports/models/<model>/ beside its kept reports."""
 import json
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -23,6 +25,12 @@ from pipeline.workloads.runs import level_not_here
 
 PEERS = {"llama_cpp": llama_cpp.NAME, "vllm": vllm.NAME, "openvino": openvino.NAME}  # bench.peer.peers -> name
 SERVER = "lab (engine server)"
+
+
+def reports_for(model: str) -> Path:
+    """Where a model's peer report goes: reports/ for the configured default, else reports/models/<model>/."""
+    default = compose_config([]).model.name
+    return ROOT / "reports" if model == default else ROOT / "reports" / "models" / model
 
 
 def refusal(backend: str, precision: str, mode: str, why) -> dict:
@@ -67,7 +75,7 @@ def server_side(cfg, here: list[str], served: tuple) -> tuple[list[dict], list[d
             got, info[llama_cpp.NAME] = llama_cpp.run(cfg, served)
             rows += got
         except Refused as exc:
-            refused.append(refusal(llama_cpp.NAME, llama_cpp.PRECISION, "server", exc))
+            refused.append(refusal(llama_cpp.NAME, llama_cpp.precision_of(cfg.model.gguf_file), "server", exc))
     if "vllm" in p.peers:
         try:
             got, no, info[vllm.NAME] = vllm.run(cfg, served)
@@ -113,16 +121,16 @@ def main(cfg) -> dict:
             got, no, more = side(cfg, here, served if side is server_side else warm)
             rows, refused, info = rows + got, refused + no, {**info, **more}
     changed = sorted(set(before) ^ set(freeze()))
-    settings = {**OmegaConf.to_container(p), "isa": cfg.isa.name, "unit": cfg.isa.unit, "peers": info,
+    settings = {**OmegaConf.to_container(p), "model": cfg.model.name, "isa": cfg.isa.name, "unit": cfg.isa.unit,
+                "peers": info,
                 "lab": f"the engine, continuous batching, {p.slots} requests at once, at "
                        + ", ".join(f"`{n}`" for n in here),
                 "freeze": f"changed: {changed}" if changed else f"unchanged ({len(before)} packages)"}
-    env = environment(cfg.threads, cfg.precision.device)
-    prec_path = ROOT / "reports" / "precision.json"
+    env, out = environment(cfg.threads, cfg.precision.device), reports_for(cfg.model.name)
+    prec_path = out / "precision.json"
     prec = json.loads(prec_path.read_text()) if prec_path.exists() else None
-    write_json(ROOT / "reports" / "peer.json", {"rows": rows, "refused": refused, "settings": settings,
-                                                "machine": env})
-    write_text(ROOT / "reports" / "PEER.md", render(rows, refused, settings, env, prec))
+    write_json(out / "peer.json", {"rows": rows, "refused": refused, "settings": settings, "machine": env})
+    write_text(out / "PEER.md", render(rows, refused, settings, env, prec))
     if changed:
         raise SystemExit(f"the lab's .venv changed while the peers ran: {changed}")
     return settings

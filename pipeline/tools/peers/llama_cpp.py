@@ -5,6 +5,7 @@ AMX off (a process must ask Linux for AMX's tile state, which llama-server does 
 GGUF file with `slots` slots, continuous batching, prompt caching off and the lab's threads."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,14 @@ from pipeline.measuring.servers import dies_with_parent, free_port, measure, run
 from pipeline.tools.peers.report import shown
 from pipeline.tools.peers.venvs import PEERS, Refused, reason
 
-NAME, PRECISION = "llama.cpp", "Q4_1 (llama.cpp)"  # the peer's rows: its precision, in its own arithmetic
+NAME = "llama.cpp"
+
+
+def precision_of(gguf_file: str) -> str:
+    """The peer's rows' precision: the GGUF file's quantization type (its name's last field), in llama.cpp's own
+    arithmetic, e.g. "Q4_1 (llama.cpp)" for SmolLM2-135M-Instruct.Q4_1.gguf, "Q4_K_M (llama.cpp)" for Gemma 3's."""
+    found = re.search(r"[._-]((?:i?q|f|bf)\d[\w]*)\.gguf$", gguf_file, re.IGNORECASE)
+    return f"{found.group(1).upper() if found else gguf_file} (llama.cpp)"
 CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]  # no web UI download
 UNITS = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c", "GGML_AVX512": "avx512f",
@@ -125,6 +133,6 @@ def run(cfg, load) -> tuple[list[dict], dict]:
     finally:
         stop(proc)
     alias = {str(gguf): f"<site-packages>/{gguf.parent.name}/{gguf.name}"}
-    return [{**r, "precision": PRECISION, "mode": "server"} for r in rows], {
+    return [{**r, "precision": precision_of(cfg.model.gguf_file), "mode": "server"} for r in rows], {
         "version": f"llama-cpp-python {p.llama_cpp.version}'s vendored llama.cpp", "cmake": cmake,
         "isa": level.name, "command": shown(args, alias), "gguf": gguf.name}
