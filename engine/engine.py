@@ -4,7 +4,7 @@ import time
 
 from engine import machine
 from engine.config import kv_config, policy_config
-from engine.core.kv_blocks import make_pools
+from engine.core.kv_pools import make_pools
 from engine.core.outputs import StepEvent, StepRecord
 from engine.core.policies import make_scheduler
 from engine.core.request import Request, RequestError, SamplingParams, check_request

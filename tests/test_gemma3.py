@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from engine import LLMEngine
-from engine.core.kv_blocks import LayerPools, seat_bytes
+from engine.core.kv_pools import LayerPools, seat_bytes
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_alone

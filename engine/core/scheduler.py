@@ -11,7 +11,8 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import deque
 
-from engine.core.kv_blocks import BlockManager, LayerPools
+from engine.core.kv_blocks import BlockManager
+from engine.core.kv_pools import LayerPools
 from engine.core.outputs import KVUsage, RunnerOutput, ScheduledChunk, SchedulerOutput, StepEvent
 from engine.core.request import Request, SamplingParams, Status, stop_reason
 

@@ -9,7 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine import LLMEngine, SamplingParams
 from engine.config import engine_weights, group_entry, kv_config, options
-from engine.core.kv_blocks import seat_bytes
+from engine.core.kv_pools import seat_bytes
 from engine.kernels import build
 from engine.kernels.choice import BUCKETS
 from engine.model.forward import HEAD_SPAN, FlatModel
