@@ -144,9 +144,10 @@ class FlatModel:
             x = x * self.embed_scale
         cos, sin = self._rope(inputs.positions, inputs.end, traced=traced)  # [T, D x tables]
         T = inputs.ids.shape[0]
-        rows = cache.rows(inputs.places, inputs.positions)  # flat cache rows of this step's tokens
-        pool_rows = None if inputs.pools is None else \
-            {w: cache.rows(p, inputs.positions) for w, p in inputs.pools.items()}  # each window's pool's rows
+        if inputs.pools is None:
+            rows, pool_rows = cache.rows(inputs.places, inputs.positions), None  # flat cache rows of the step's tokens
+        else:  # LayerPools: each window's pool's rows
+            rows, pool_rows = None, {w: cache.rows(p, inputs.positions) for w, p in inputs.pools.items()}
         args = self._lab_args(T, inputs.attention) \
             if not traced and not isinstance(cache, CatCache) and inputs.pools is None else None
         if args is not None:  # every layer in one call (not on the cat cache, which grows in write)
