@@ -1,4 +1,4 @@
-"""The Q5_0, Q4_K and Q6_K kernels (engine/kernels/csrc/quant.cpp) on synthetic GGUF blocks: every kernel's weights
+"""The Q5_0, Q4_K and Q6_K kernels (engine/kernels/csrc/quant.h) on synthetic GGUF blocks: every kernel's weights
 are gguf's dequantization to the bit, its products equal x @ W^T to fp32 rounding whatever the shapes, tails and
 rows, a row's bits the same alone or among others; a block misread at any field (d for dmin, the scale packing, a qh
 bit off...) fails these comparisons; parts of different formats make one product (GgufDense in Python, lab.layers'

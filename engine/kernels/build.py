@@ -18,16 +18,17 @@ from engine import machine
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
-SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "quant.cpp", "bf16.cpp", "layer.cpp")]
+SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "q4_1.cpp", "q8_0.cpp", "q4_k.cpp",
+                              "q5_0.cpp", "q6_k.cpp", "bf16.cpp", "layer.cpp")]  # compiled in parallel
 AVX512 = ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
-BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (quant.cpp) where the CPU has VNNI
+BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (quant.h) where the CPU has VNNI
           "AVX512": AVX512, "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"],
           "scalar": []}  # instruction-set build -> its compiler flags, best first
 BUILD_VAR = "LAB_KERNELS_BUILD"  # environment variable: one of BUILDS to build and load instead of the best
 PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles",
             "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm", "q4_k", "q5_0", "q6_k", "q4_k_tiles", "q5_0_tiles",
             "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments")  # lab.layers' kinds (products.h), in order
-GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of quant.cpp (ops.h's LAB_GGUF)
+GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of quant.h (ops.h's LAB_GGUF)
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 

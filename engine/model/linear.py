@@ -10,7 +10,7 @@ Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (e
   on AVX512-BF16, elsewhere the pairs widened to fp32 and summed with FMA; or tiles widened into cache: the same sums),
   the kernel chosen per row bucket.
 GgufDense: a GGUF file's blocks as stored (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; the parts of a concatenated product each in
-  its own), products by the native kernels (engine/kernels/csrc/quant.cpp), which dequantize in registers (the very
+  its own), products by the native kernels (engine/kernels/csrc/quant.h), which dequantize in registers (the very
   values the fp32 copy holds) and sum in fp32; on a CPU with AVX512-VNNI Q4_1 sums each block's codes times x exactly
   in integers, x in 30-bit fixed point per block of 32; or dequantize a group of tiles into cache for an fp32 FMA
   kernel; the kernel chosen per row bucket.

@@ -38,7 +38,7 @@ def render_kernel_table(k: dict) -> list[str]:
              f"From the engine built at each level on this machine, with {native}. fp32: the product measured "
              "fastest for the shape (`in_out`: x @ W; `linear`: F.linear; `packed`: MKL's GEMM on its packed layout; "
              "`onednn`: oneDNN's inner product); w4: the GGUF block format, read as stored "
-             "(engine/kernels/csrc/quant.cpp); bf16: the bf16 product (engine/kernels/csrc/bf16.cpp).", "",
+             "(engine/kernels/csrc/quant.h); bf16: the bf16 product (engine/kernels/csrc/bf16.cpp).", "",
              "| level | product | " + " | ".join(f"rows {t}" for t in tops) + " |",
              "|---|---|" + "---|" * len(tops)]
     for level, products in k["levels"].items():

@@ -22,8 +22,9 @@ at::Tensor rotary_decode_attention(const at::Tensor& qkv, const at::Tensor& cos,
 at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& spans,
                            const Opt& rows, double scale);
 
-// quant.cpp: the GGUF block formats' products, X(name, format): for each, name_pack (blocks as stored -> tiles),
-// name_linear (per row of x), name_tiles_linear (tiles dequantized into cache), name_mm_linear (ATen's GEMM)
+// q4_1.cpp, q8_0.cpp, q4_k.cpp, q5_0.cpp, q6_k.cpp (their kernels in quant.h): the GGUF block formats' products,
+// X(name, format): for each, name_pack (blocks as stored -> tiles), name_linear (per row of x), name_tiles_linear
+// (tiles dequantized into cache), name_mm_linear (ATen's GEMM)
 #define LAB_GGUF(X) X(q4_1, Q4_1) X(q8_0, Q8_0) X(q4_k, Q4_K) X(q5_0, Q5_0) X(q6_k, Q6_K)
 #define LAB_GGUF_DECLARE(f, Q)                                                                                \
   at::Tensor f##_pack(const at::Tensor& blocks);                                                              \

@@ -1,6 +1,6 @@
 // Weight tiles laid out in cache as fp32 (weight k of a tile's 16 rows at o + 16 k, a tile K x 16 floats) times rows
 // of x, by an FMA kernel: each row's sum over k in order, whatever the rows beside it. The products whose weights are
-// stored otherwise (GGUF blocks dequantized, bf16 pairs widened: quant.cpp, bf16.cpp) fill a group of tiles into
+// stored otherwise (GGUF blocks dequantized, bf16 pairs widened: quant.h, bf16.cpp) fill a group of tiles into
 // the thread's cache once (tile_group) and run it against every row block of x.
 #pragma once
 #include "native.h"

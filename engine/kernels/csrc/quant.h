@@ -13,6 +13,7 @@
 
 #include <cstring>
 
+#pragma once
 #include "native.h"
 #include "ops.h"
 #include "tiles.h"
@@ -264,7 +265,7 @@ constexpr int RI = 2;  // and rows of x in one integer kernel at most: 2 rows x 
 // Block xb (32 floats) of x -> its LIMBS x 32 bytes (x * 2^e rounded to the nearest integer X, |X| < 2^30, as
 // X = b0 + 2^8 b1 + 2^16 b2 + 2^24 b3, each b a signed byte) at q; returns 2^-e, NaN where x is not finite. e is at
 // most 126 (2^-e stays a normal float): a block whose largest |x| is below 2^-96 keeps fewer bits.
-VNNI_TARGET static float fixed_point(const float* xb, int8_t* q) {
+VNNI_TARGET static inline float fixed_point(const float* xb, int8_t* q) {
   const F v[2] = {floats16(xb), floats16(xb + 16)};
   const float mx = max_abs(v[0], v[1]);
   if (!std::isfinite(mx)) {
@@ -329,13 +330,6 @@ static Kernel int_kernel_for(int r, bool wide) {
   return wide ? int_tiles<std::max(1, ACC / R), R> : int_tiles<1, R>;
 }
 
-// Whether Q4_1 runs the integer kernels: built for them and on a CPU with AVX512-VNNI.
-bool q4_1_fixed_point() {
-  static const bool yes = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
-  return yes;
-}
-#else
-bool q4_1_fixed_point() { return false; }
 #endif
 
 // The kernel for r rows of x: as many tiles as ACC allows (wide) or one.
@@ -465,7 +459,8 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bi
                    out.data_ptr<float>(), T, N, Kb};
   const auto kernel = [&](int r, bool wide) {
 #if defined(LAB_VNNI)
-    if (ints) return int_kernel_for(r, wide);
+    if constexpr (std::is_same_v<Q, Q4_1>)  // the integer kernels compiled for Q4_1 alone
+      if (ints) return int_kernel_for(r, wide);
 #endif
     return kernel_for<Q>(r, wide);
   };
@@ -491,30 +486,8 @@ static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const Opt& bi
   return out;
 }
 
-// w packed Q8_0 [N, K/32 * 34], ids [n] int64 -> rows ids of the weight, [n, K] float32
-at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                  w.size(1) % Q8_0::B == 0 && ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
-              "q8_0_rows: packed w uint8 [N, K/32 * 34] and ids [n] contiguous int64 are needed");
-  const int64_t N = w.size(0), Kb = w.size(1) / Q8_0::B, n = ids.numel();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "q8_0_rows: id ", ip[i], " out of range");
-  at::Tensor out = at::empty({n, Kb * QK}, w.options().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  parallel(0, n * Kb, grain_of(QK), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {  // block i % Kb of row ids[i / Kb]
-      const int64_t row = ip[i / Kb], b = i % Kb, rows = std::min(TILE, N - row / TILE * TILE), r = row % TILE;
-      const uint8_t* p = wp + row / TILE * TILE * Kb * Q8_0::B + b * rows * Q8_0::B;
-      const float d = c10::detail::fp16_ieee_to_fp32_value(p[2 * r] | p[2 * r + 1] << 8);
-      for (int64_t k = 0; k < QK; ++k)
-        op[i * QK + k] = d * static_cast<int8_t>(p[in_tile(rows, 2 + k, 1, r)]);
-    }
-  });
-  return out;
-}
-
-// Each format's operators (ops.h's LAB_GGUF): pack, and the per-row, tiles and GEMM products.
+// Each format's operators (ops.h's LAB_GGUF), defined in the format's own file (compiled apart, in parallel):
+// pack, and the per-row, tiles and GEMM products.
 #define LAB_GGUF_OPS(f, Q)                                                                                \
   at::Tensor f##_pack(const at::Tensor& blocks) { return pack<Q>(blocks); }                               \
   at::Tensor f##_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) {  \
@@ -526,5 +499,3 @@ at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids) {
   at::Tensor f##_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual) { \
     return gemm<Q>(x, w, bias, residual);                                                                 \
   }
-LAB_GGUF(LAB_GGUF_OPS)
-#undef LAB_GGUF_OPS
