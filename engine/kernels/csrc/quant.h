@@ -155,7 +155,7 @@ struct Q4_K : Dequantizing<Q4_K> {
       const F sc = j < 4 ? bits(s[0], b, 63) : add(bits(s[2], b, 0xF), mul(bits(s[0], b + 6, 3), 16.f));
       const F m = j < 4 ? bits(s[1], b, 63) : add(bits(s[2], b + 4, 0xF), mul(bits(s[1], b + 6, 3), 16.f));
       const F ds = mul(d, sc), dm = mul(dmin, m);
-      UNROLL for (int w = 0; w < 8; ++w) {  // codes 4w to 4w + 3 of the sub-block
+      NO_UNROLL for (int w = 0; w < 8; ++w) {  // codes 4w to 4w + 3 of the sub-block (the shifts fixed, places not)
         const Words c = words(p + in_tile(TILE, 16 + 32 * (j / 2) + 4 * w, 4, 0));
         UNROLL for (int i = 0; i < 4; ++i)
           sink(32 * j + 4 * w + i, sub(mul(ds, bits(c, 8 * i + 4 * (j % 2), 0xF)), dm));
@@ -175,9 +175,9 @@ struct Q6_K : Dequantizing<Q6_K> {
   template <class Sink>
   static inline void weights(const uint8_t* p, const Sink& sink) {
     const F d = halves(p + in_tile(TILE, 208, 2, 0));
-    UNROLL for (int h = 0; h < 2; ++h) UNROLL for (int s = 0; s < 4; ++s) UNROLL for (int g = 0; g < 2; ++g) {
+    NO_UNROLL for (int h = 0; h < 2; ++h) UNROLL for (int s = 0; s < 4; ++s) UNROLL for (int g = 0; g < 2; ++g) {
       const F ds = mul(d, bytes(p + in_tile(TILE, 192 + 8 * h + 2 * s + g, 1, 0)));  // weights l = 16g to 16g + 15
-      UNROLL for (int w = 0; w < 4; ++w) {
+      NO_UNROLL for (int w = 0; w < 4; ++w) {  // the shifts (of s) fixed, the places not
         const int l = 16 * g + 4 * w;
         const Words lo = words(p + in_tile(TILE, 64 * h + 32 * (s % 2) + l, 4, 0)),
                     hi = words(p + in_tile(TILE, 128 + 32 * h + l, 4, 0));

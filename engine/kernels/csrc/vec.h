@@ -15,6 +15,7 @@ constexpr int64_t TILE = 16;  // rows of a packed weight tile (GGUF and bf16 pro
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")  // loops over a kernel's tiles and rows: its sums stay in registers
+#define NO_UNROLL _Pragma("GCC unroll 1")  // a K-quant super-block's outer loop: 256 weights unrolled compile for minutes
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include "vec_avx512.h"
