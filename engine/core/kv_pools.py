@@ -88,9 +88,13 @@ class LayerPools:
         """Each layer's pool size (its cache tensor's blocks)."""
         return [self.pools[w].num_blocks for w in self.layer_windows]
 
+    @property
+    def main(self):
+        """The window of the pool whose table is a request's `table`: the full layers' (None), else the first."""
+        return None if None in self.pools else next(iter(self.pools))
+
     def table(self, rid: str) -> list[int]:
-        """The full layers' table (the first pool's where every layer is windowed)."""
-        return self.pools[None if None in self.pools else next(iter(self.pools))].table(rid)
+        return self.pools[self.main].table(rid)
 
     def tables(self, rid: str) -> dict:
         """Window -> the request's table in that pool."""

@@ -178,8 +178,8 @@ class Scheduler(ABC):
     def _chunk(self, req: Request, limit: int) -> ScheduledChunk:
         tokens = req.next_tokens(limit)
         last = req.num_computed + len(tokens) >= req.prefill_len  # the chunk reaches the end of the prefill
-        table = tuple(self.blocks.table(req.rid)) if self.blocks is not None else ()
-        tables = self.blocks.tables(req.rid) if isinstance(self.blocks, LayerPools) else None
+        tables = self.blocks.tables(req.rid) if isinstance(self.blocks, LayerPools) else None  # one copy each
+        table = () if self.blocks is None else tables[self.blocks.main] if tables else tuple(self.blocks.table(req.rid))
         return ScheduledChunk(req.rid, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt,
                               seat=req.seat, blocks=table, tables=tables, params=req.params if last else None,
                               history=(req.prompt, req.output) if last and req.params.penalized else None)
