@@ -100,7 +100,7 @@ def render(h: dict) -> str:
         lines.append(row + (f" {full} | {s['seats_that_fit'] / max(full, 1):.2f}x |" if windowed else ""))
     if windowed:
         lines += ["", "A windowed layer keeps only its window's blocks (paged KV: the blocks its next token's window "
-                  "spans, block rounding included), a full layer the whole context (engine/core/kv_blocks.py)."]
+                  "spans, block rounding included), a full layer the whole context (engine/core/kv_pools.py)."]
     return "\n".join(lines) + "\n"
 
 
