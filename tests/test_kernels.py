@@ -83,6 +83,27 @@ def test_measured_again_a_near_tie_keeps_the_earlier_choice(tiny_llama, tmp_path
     assert all(c["choice"] == ["in_out"] + ["linear"] * (len(kernels.BUCKETS) - 1) for c in net.kernels.values())
 
 
+def test_a_candidate_is_timed_after_its_own_untimed_run_the_fastest_kept(monkeypatch):
+    """A candidate whose first run after another's is slow (GGUF's whole-matrix GEMM before it frees hundreds of MB)
+    and which a slow moment of the machine slows once is still measured at its own speed: its runs follow one
+    untimed run of its own, the fastest kept."""
+    clock, calls = [0.0], []
+
+    class Mat:  # `fast` takes 1 ms, 20 ms on its first run after `other`'s and on its third; `other` 2 ms
+        shape, dtype = (4, 4), torch.float32
+
+        def product(self, k, x):
+            calls.append(k)
+            after_other = len(calls) > 1 and calls[-2] != k
+            clock[0] += 2.0 if k == "other" else 20.0 if after_other or calls.count(k) == 3 else 1.0
+
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0] / 1e3)
+    got = kernels.measure([Mat()], torch.device("cpu"), ("other", "fast"))
+    assert got["choice"] == ["fast"] * len(kernels.BUCKETS)
+    assert all(ms == pytest.approx({"other": 2.0, "fast": 1.0}) for ms in got["ms"].values())
+    assert calls[:2 * (1 + kernels.REPEATS)] == ["other"] * (1 + kernels.REPEATS) + ["fast"] * (1 + kernels.REPEATS)
+
+
 def test_a_broken_cache_is_measured_again(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)

@@ -5,9 +5,11 @@ Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [
 `packed` and `onednn` (MKL's and oneDNN's products on a weight laid out once in their own layouts: aten.py). A step
 of r rows uses the choice of the smallest bucket >= r (the last beyond it). Each candidate is timed over every
 matrix of the shape (all layers), as a step streams them from memory (past STREAMED rows, where a product is
-compute-bound, over a share of them, the time scaled), interleaved with the others, median of REPEATS; measured
-again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices together fit in a
-CPU's caches are not measured (their timings are noise) and keep `default`, as do devices without a clock (`meta`).
+compute-bound, over a share of them, the time scaled), the fastest of REPEATS run back to back after one untimed run
+(a run can only be slowed; and the candidate before can slow the next one's first run several times: GGUF's
+whole-matrix GEMM frees hundreds of MB); measured again, a choice changes only for a candidate faster by more than
+MARGIN. Shapes whose matrices together fit in a CPU's caches are not measured (their timings are noise) and keep
+`default`, as do devices without a clock (`meta`).
 The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and
 `product(candidate, x)` (engine/model/linear.py's Dense); a storage with kernels of its own names its `family` and
 `candidates` (GgufDense: the per-row block kernel, the dequantized tiles' and the GEMM's) and is measured whatever its
@@ -17,7 +19,6 @@ The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); dele
 import hashlib
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(mats: list, device: torch.device, names: tuple[str, ...]) -> dict:
-    """{"ms": {rows: {candidate: median ms over all of `mats`}}, "choice": [fastest candidate per bucket]} for the
+    """{"ms": {rows: {candidate: fastest ms over all of `mats`}}, "choice": [fastest candidate per bucket]} for the
     Dense objects `mats` (one shape; each holds every candidate's layout while measured). Past STREAMED rows a
     product is compute-bound: a share of the matrices is timed and the time scaled to all of them."""
     din, dtype = mats[0].shape[0], mats[0].dtype
@@ -96,16 +97,15 @@ def measure(mats: list, device: torch.device, names: tuple[str, ...]) -> dict:
         some = mats[:max(1, len(mats) * STREAMED // rows)]
         runs = {k: (lambda k=k: [m.product(k, x) for m in some]) for k in names}
         times = {k: [] for k in runs}
-        for run in runs.values():  # warm-up
-            run()
-        for _ in range(REPEATS):
-            for k, run in runs.items():
+        for k, run in runs.items():
+            run()  # warm-up, which also absorbs what the candidate before left behind
+            for _ in range(REPEATS):
                 _sync(device)
                 t = time.perf_counter()
                 run()
                 _sync(device)
                 times[k].append((time.perf_counter() - t) * 1e3)
-        ms[str(rows)] = {k: statistics.median(v) * len(mats) / len(some) for k, v in times.items()}
+        ms[str(rows)] = {k: min(v) * len(mats) / len(some) for k, v in times.items()}
         choice.append(min(ms[str(rows)], key=ms[str(rows)].get))
     return {"ms": ms, "choice": choice}
 
