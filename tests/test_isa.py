@@ -52,7 +52,7 @@ def test_native_and_a_level_already_held_run_untouched(clean):
     isa.apply(compose_config([]).isa)
     clean.setenv(build.BUILD_VAR, "scalar")  # native narrows nothing and widens nothing
     isa.apply(compose_config([]).isa)
-    clean.setattr(machine, "cpu_units", lambda: {"avx2", "fma"})
+    clean.setattr(machine, "cpu_units", lambda: {"avx2", "fma", "f16c"})
     for k, v in {**AVX2_ENV, build.BUILD_VAR: "AVX2"}.items():
         clean.setenv(k, v)
     isa.apply(compose_config(["isa=avx2"]).isa)
@@ -61,7 +61,7 @@ def test_native_and_a_level_already_held_run_untouched(clean):
 def test_a_level_the_environment_lacks_executes_the_process_again_once(clean):
     calls = []
     clean.setattr(os, "execve", lambda *args: calls.append(args))
-    clean.setattr(machine, "cpu_units", lambda: {"avx2", "fma"})
+    clean.setattr(machine, "cpu_units", lambda: {"avx2", "fma", "f16c"})
     level = compose_config(["isa=avx2"]).isa
     isa.apply(level)
     (path, argv, env), = calls
@@ -80,7 +80,7 @@ def test_a_cpu_without_the_units_fails_naming_what_it_has(clean):
     clean.setattr(machine, "cpu_info", lambda: ("Old CPU, family 6 model 1", {"avx2": False}))
     with pytest.raises(ValueError) as err:
         isa.apply(compose_config(["isa=avx2"]).isa)
-    assert "['avx2', 'fma']" in str(err.value) and "Old CPU" in str(err.value) and "has no AVX2" in str(err.value)
+    assert "['avx2', 'fma', 'f16c']" in str(err.value) and "Old CPU" in str(err.value) and "has no AVX2" in str(err.value)
     assert "['native', 'scalar']" in str(err.value)
 
 
@@ -105,8 +105,8 @@ def test_the_fingerprint_and_its_label_say_emulated(clean):
 
 @pytest.mark.slow  # a process that imports torch twice and may compile the kernels' AVX2 build
 def test_a_process_under_avx2_runs_torch_and_the_kernels_at_avx2_and_says_so():
-    if not {"avx2", "fma"} <= machine.cpu_units():
-        pytest.skip("this CPU has no AVX2 and FMA")
+    if not {"avx2", "fma", "f16c"} <= machine.cpu_units():
+        pytest.skip("this CPU has no AVX2, FMA and F16C")
     code = ("import json, os, torch\n"
             "from pipeline.params import load\n"
             "from pipeline.measuring.fingerprint import environment\n"
