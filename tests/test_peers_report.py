@@ -2,6 +2,8 @@
 as a row with its own reason, versions and commands relative to the project, lab / best peer at each concurrency
 within a mode (server with server, in-process with in-process), the isa level in its header; bench.peer.peers
 composed by Hydra."""
+import json
+
 import pytest
 
 from engine.config import ROOT, compose_config
@@ -69,3 +71,19 @@ def test_peers_compose_with_hydra_and_an_unknown_one_is_refused():
     assert list(cfg.bench.peer.peers) == ["vllm"] and list(cfg.bench.peer.levels) == [1, 16, 64]
     with pytest.raises(ValueError, match="unknown"):
         peer.main(compose_config(["bench.peer.peers=[tgi]"]))
+
+
+def test_the_accuracy_column_is_this_machines(tmp_path):
+    """accuracy_here: reports/precision.json when it was measured here; else, for the default model, the one an isa
+    level's run kept in reports/machines/<id>/; another model's folder never takes the default model's."""
+    reports = tmp_path / "reports"
+    (reports / "machines" / "avx2").mkdir(parents=True)
+    (reports / "models" / "other").mkdir(parents=True)
+    for path, machine in ((reports, "native"), (reports / "machines" / "avx2", "avx2"),
+                          (reports / "models" / "other", "native")):
+        (path / "precision.json").write_text(json.dumps({"machine": {"id": machine}, "from": str(path)}))
+    assert peer.accuracy_here(reports, "native", tmp_path)["from"] == str(reports)
+    assert peer.accuracy_here(reports, "avx2", tmp_path)["from"] == str(reports / "machines" / "avx2")
+    other = reports / "models" / "other"
+    assert peer.accuracy_here(other, "avx2", tmp_path)["from"] == str(other)
+    assert peer.accuracy_here(tmp_path / "none", "avx2", tmp_path) is None

@@ -3,18 +3,21 @@ one run's summary row, and a table of runs saved in the results format (used by 
 engine can run nothing until the next arrival or batching deadline, its clock skips the idle gap (LLMEngine.skip_to)
 instead of sleeping through it: every step runs and is timed as it would, and no wall time passes idle."""
 import hashlib
-from dataclasses import asdict
+from dataclasses import fields
 
 import pandas as pd
 from omegaconf import OmegaConf
 
 from engine import LLMEngine, SamplingParams
+from engine.core.outputs import StepRecord
 from engine.model.loader import eos_ids
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.results import write_json, write_parquet
 from pipeline.workloads.generate import expected_prefix_hits, predicted_static_efficiency
 from pipeline.workloads.runs import runs
+
+STEP_FIELDS = [f.name for f in fields(StepRecord)]  # a step record's columns (its fields are all scalars)
 
 
 def calibrate_step(net, seats: int, max_request_tokens: int, prompt_len: int = 32, steps: int = 6,
@@ -83,7 +86,7 @@ def replay(engine: LLMEngine, workload: pd.DataFrame, step_s: float, concurrency
             break  # nothing will ever arrive or launch again
         wait_until(min(upcoming))
     wall = engine.now()
-    return records(workload, reqs), pd.DataFrame([asdict(r) for r in steps]), wall
+    return records(workload, reqs), pd.DataFrame([vars(r) for r in steps], columns=STEP_FIELDS), wall
 
 
 def records(workload: pd.DataFrame, reqs: dict) -> pd.DataFrame:

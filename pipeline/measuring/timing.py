@@ -176,9 +176,12 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
     net0, model0, _ = next(iter(levels.values()))
     device, vocab = net0.device, model0.config.vocab_size
     warm = prompts_for("chat", 2, tokenizer, vocab)
+    warmed = set()  # ids of the generate models warmed up: each distinct one once
     for name, (net, model, _) in levels.items():
         engine_run(net, warm, 8, flags[name][0], graphs=flags[name][1])
-        hf_generate(model, warm, 8, pad)
+        if id(model) not in warmed:
+            hf_generate(model, warm, 8, pad)
+            warmed.add(id(model))
         if flags[name][0]:
             warm_compiled(net, max(int(case["batch"]) for case in bench.cases), flags[name][1])
     rows, first = [], next(iter(levels))  # the configured level: also measured on a paged pool
@@ -194,7 +197,8 @@ def engine_speed(levels: dict, tokenizer, bench, limits, probe_gbs: float | None
                                                                                         pad)},
                                          limits, f"engine_speed generate B={B}", check=check_case)
             ref, ref_watch = hf[id(model)]
-            row = {"precision": level, **row, **{k: v for k, v in ref.items() if k.startswith("hf_")},
+            row = {"precision": level, "prompt": case["prompt"], **row,
+                   **{k: v for k, v in ref.items() if k.startswith("hf_")},
                    **watch.fields(), "hf_disturbed": ref_watch.disturbed, "hf_dtype": str(model.dtype)}
             row["ratio"] = row["engine_tps"] / row["hf_tps"]
             row["decode_ratio"] = row["engine_decode_tps"] / row["hf_decode_tps"]

@@ -49,11 +49,12 @@ def configs(base, workload: str, num_requests: int) -> dict:
     return out
 
 
-def at_load(cfg, k: float, multiple: float):
-    """A copy of cfg with gamma arrivals of burstiness k at `multiple` x capacity."""
-    out = copy.deepcopy(cfg)
-    out.load.burstiness, out.load.multiple = float(k), float(multiple)
-    return out
+def at_load(cfgs: dict, k: float, multiple: float):
+    """Every config of `cfgs` (policy -> config) set, in place, to gamma arrivals of burstiness k at `multiple` x
+    capacity; the first of them (whose workload every policy runs)."""
+    for c in cfgs.values():
+        c.load.burstiness, c.load.multiple = float(k), float(multiple)
+    return next(iter(cfgs.values()))
 
 
 def rate_rps(cfg, wl: pd.DataFrame, step_s: float) -> float:
@@ -75,16 +76,16 @@ def point(cfg, workload: str, k: float, multiple: float, policy: str) -> dict:
             "policy": policy}
 
 
-def sweep(cost: CostModel, base, spec, step_s: float) -> list[dict]:
-    """Every simulated workload x k x policy x load multiple (spec: bench.shaped.simulated)."""
+def sweep(cost: CostModel, composed: dict, spec, step_s: float) -> list[dict]:
+    """Every simulated workload x k x policy x load multiple (spec: bench.shaped.simulated; composed: workload ->
+    configs())."""
     rows = []
     for workload in spec.workloads:
-        cfgs = configs(base, workload, int(spec.num_requests))
+        cfgs = composed[workload]
         for k in spec.burstiness:
             for m in spec.multiples:
-                wl = build(at_load(next(iter(cfgs.values())), k, m), None, 50000)  # one workload for every policy
-                rows += [{**point(c, workload, k, m, p), **simulated(cost, at_load(c, k, m), wl, step_s)}
-                         for p, c in cfgs.items()]
+                wl = build(at_load(cfgs, k, m), None, 50000)  # one workload for every policy
+                rows += [{**point(c, workload, k, m, p), **simulated(cost, c, wl, step_s)} for p, c in cfgs.items()]
     return rows
 
 
@@ -112,16 +113,14 @@ def near_capacity(caps: list[dict], spec, multiples) -> dict[str, float]:
     return out
 
 
-def at_near(cost: CostModel, base, spec, step_s: float, loads: dict[str, float]) -> list[dict]:
-    """Every simulated workload x k x policy at its load near capacity."""
+def at_near(cost: CostModel, composed: dict, spec, step_s: float, loads: dict[str, float]) -> list[dict]:
+    """Every simulated workload x k x policy at its load near capacity (composed: workload -> configs())."""
     rows = []
     for workload in spec.simulated.workloads:
-        cfgs = configs(base, workload, int(spec.simulated.num_requests))
-        m = loads[workload]
+        cfgs, m = composed[workload], loads[workload]
         for k in spec.simulated.burstiness:
-            wl = build(at_load(next(iter(cfgs.values())), k, m), None, 50000)
-            rows += [{**point(c, workload, k, m, p), **simulated(cost, at_load(c, k, m), wl, step_s)}
-                     for p, c in cfgs.items()]
+            wl = build(at_load(cfgs, k, m), None, 50000)
+            rows += [{**point(c, workload, k, m, p), **simulated(cost, c, wl, step_s)} for p, c in cfgs.items()]
     return rows
 
 
@@ -135,9 +134,8 @@ def measure(net_tok_vocab, cost: CostModel, base, spec, loads: dict[str, float])
         cfgs = configs(base, workload, int(spec.measured.num_requests))
         m = loads[workload]
         for k in spec.measured.burstiness:
-            wl = build(at_load(next(iter(cfgs.values())), k, m), tok, vocab)
-            for p, c in cfgs.items():
-                cfg = at_load(c, k, m)
+            wl = build(at_load(cfgs, k, m), tok, vocab)
+            for p, cfg in cfgs.items():
                 row, _, _ = run_one(net, cfg, wl, TABLE, f"workload={workload} load.burstiness={k:g} policy={p}",
                                     steps_cache)
                 sim = simulated(cost, cfg, wl, row["step_s"])
@@ -177,10 +175,11 @@ def run(net_tok_vocab, cost: CostModel, base) -> dict:
                          "near capacity comes from them)")
     step_s = cost.step_time(full_batch_decode(int(base.load.ref_seats), 64))  # the full-batch step it predicts
     t = time.perf_counter()
-    swept = sweep(cost, base, spec.simulated, step_s)
+    composed = {w: configs(base, w, int(spec.simulated.num_requests)) for w in spec.simulated.workloads}
+    swept = sweep(cost, composed, spec.simulated, step_s)
     caps = capacities(swept)
     loads = near_capacity(caps, spec, spec.simulated.multiples)
-    near = at_near(cost, base, spec, step_s, loads)
+    near = at_near(cost, composed, spec, step_s, loads)
     simulated_s, t = time.perf_counter() - t, time.perf_counter()
     measured = measure(net_tok_vocab, cost, base, spec, loads)
     return {"lengths": {r["workload"]: r["lengths"] for r in swept},

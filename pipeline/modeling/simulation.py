@@ -77,12 +77,15 @@ def validate(cost: CostModel, base, levels: dict[str, CostModel] | None = None) 
 
 
 def sweep(cost: CostModel, base, step_s: float, axis: str, values, policies, seeds=(0, 1, 2)) -> list[dict]:
-    """Median over seeds of each policy at each value of one axis (a Hydra override key)."""
+    """Median over seeds of each policy at each value of one axis (a key of the composed config, set as an override
+    would set it: a key it does not have fails)."""
     out = []
+    composed = {name: table_config(base, "all_policies", {"policy": name}) for name in policies}
     for v in values:
         for name in policies:
             runs = []
-            cfg = table_config(base, "all_policies", {"policy": name, axis: v})
+            cfg = composed[name]
+            OmegaConf.update(cfg, axis, v, merge=False)
             for seed in seeds:
                 cfg.seed = seed
                 wl = build(cfg, None, 50000)
@@ -129,7 +132,8 @@ def run_all(cost: CostModel, base, levels: dict[str, CostModel] | None = None) -
     validation_s = time.perf_counter() - t
     t = time.perf_counter()
     policies = ["static", "dynamic", "continuous", "chunked"]
-    sweeps = (sweep(cost, base, step_s, "load.multiple", [round(x, 1) for x in np.arange(0.2, 2.01, 0.2)], policies)
+    loads = [round(float(x), 1) for x in np.arange(0.2, 2.01, 0.2)]  # Python floats: a config holds no numpy value
+    sweeps = (sweep(cost, base, step_s, "load.multiple", loads, policies)
               + sweep(cost, base, step_s, "workload.output.sigma", [0.0, 0.25, 0.5, 0.75, 1.0], policies)
               + sweep(cost, base, step_s, "policy.max_running", [2, 4, 8, 16, 32, 64], ["continuous", "chunked"]))
     sweep_s = time.perf_counter() - t

@@ -71,9 +71,9 @@ def render(h: dict) -> str:
                      f"{f['tok_s_ceiling']:.0f} | {f['roofline_ms']:.1f} | {f['intensity']:.1f} | {f['regime']} |")
     lines += ["", "The floor uses, for each matrix shape and row count, the product measured fastest on this machine "
               "(engine/kernels/choice.py; the engine uses the same choice). Each candidate's time for every matrix of "
-              f"the shape (all layers; past {kernels.STREAMED} rows a share of them, scaled), median of "
-              f"{kernels.REPEATS}, ms; the chosen one in bold (measured again on every run, a choice "
-              f"changes only for a candidate faster by more than {kernels.MARGIN:.0%}):", "",
+              f"the shape (all layers; past {kernels.STREAMED} rows a share of them, scaled), the fastest of "
+              f"{kernels.REPEATS} runs after an untimed one, ms; the chosen one in bold (measured again on every run, "
+              f"a choice changes only for a candidate faster by more than {kernels.MARGIN:.0%}):", "",
               "| shape (in x out) | rows | " + " | ".join(kernels.PRODUCTS) + " |",
               "|---|---|" + "---|" * len(kernels.PRODUCTS)]
     for k in h["kernels"]:

@@ -33,6 +33,16 @@ def reports_for(model: str) -> Path:
     return ROOT / "reports" if model == default else ROOT / "reports" / "models" / model
 
 
+def accuracy_here(out: Path, machine_id: str, root: Path = ROOT) -> dict | None:
+    """The precision.json measured on this machine (an isa level's run counts as its own machine): `out`'s, else, for
+    the default model (out: reports/), the one pipeline.tools.keep_reports kept in reports/machines/<machine_id>/;
+    `out`'s when neither is this machine's, None where there is none."""
+    paths = [out / "precision.json"] + ([root / "reports" / "machines" / machine_id / "precision.json"]
+                                        if out == root / "reports" else [])
+    found = [json.loads(f.read_text()) for f in paths if f.exists()]
+    return next((p for p in found if p.get("machine", {}).get("id") == machine_id), found[0] if found else None)
+
+
 def refusal(backend: str, precision: str, mode: str, why) -> dict:
     """A row for what could not run here; why: its own error (or words)."""
     return {"backend": backend, "precision": precision, "mode": mode, "reason": str(why)}
@@ -127,8 +137,7 @@ def main(cfg) -> dict:
                        + ", ".join(f"`{n}`" for n in here),
                 "freeze": f"changed: {changed}" if changed else f"unchanged ({len(before)} packages)"}
     env, out = environment(cfg.threads, cfg.precision.device), reports_for(cfg.model.name)
-    prec_path = out / "precision.json"
-    prec = json.loads(prec_path.read_text()) if prec_path.exists() else None
+    prec = accuracy_here(out, env["id"])
     write_json(out / "peer.json", {"rows": rows, "refused": refused, "settings": settings, "machine": env})
     write_text(out / "PEER.md", render(rows, refused, settings, env, prec))
     if changed:
