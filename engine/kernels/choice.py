@@ -28,7 +28,7 @@ from engine import machine
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # rows a candidate is measured at (256: chunked prefills, 1024: whole prompts)
 STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
-REPEATS = 5
+REPEATS = 3  # timed runs per candidate (after one untimed): the fastest kept
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
 PRODUCTS = ("in_out", "linear", "packed", "onednn")  # every candidate, where it runs (candidates)

@@ -13,6 +13,7 @@ from engine.core.kv_pools import seat_bytes
 from engine.kernels import build
 from engine.kernels.choice import BUCKETS
 from engine.model.forward import HEAD_SPAN, FlatModel
+from engine.model.linear import Bf16Dense
 from engine.model.runner import SAMPLER_SPAN
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.fingerprint import environment
@@ -44,8 +45,15 @@ def part_of(name: str) -> str:
 
 
 def matmul_gflops(dtype: torch.dtype, device: str, n: int = 1536) -> float:
+    """An n x n by n x n product's rate, GFLOP/s: torch's; bf16 on a CPU the bf16 level's own (the lab's native
+    products, the fastest of them: a CPU's bf16 level never runs torch's bf16 product, which without AVX512-BF16
+    runs a hundred times slower), torch's only where the native kernels are not built."""
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-    return 2 * n ** 3 / best_of(lambda: a @ b, device) / 1e9
+    ops = build.ops() if dtype == torch.bfloat16 and device == "cpu" else None
+    if ops is None:
+        return 2 * n ** 3 / best_of(lambda: a @ b, device) / 1e9
+    w, x = Bf16Dense(b.T.contiguous(), ops=ops), a.float()
+    return 2 * n ** 3 / min(best_of(lambda c=c: w.product(c, x), device, 3) for c in w.candidates) / 1e9
 
 
 def step_split(net: FlatModel, batch: int, steps: int = 6, fused: bool = True) -> dict:

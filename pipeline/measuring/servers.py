@@ -94,12 +94,20 @@ def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 
     raise RuntimeError(f"server {name} did not come up")
 
 
-def stop(proc: subprocess.Popen):
+def stop(proc: subprocess.Popen, wait: bool = True):
+    """SIGTERM (a lab server drains), then (`wait`) reaped: killed if still there after 20 s."""
     proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    if wait:
+        reap([proc])
+
+
+def reap(procs: list[subprocess.Popen]):
+    """Wait for stopped processes to end, killing any still there after 20 s."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def requests_for(n: int, lengths, seed: int) -> list[tuple]:
@@ -225,6 +233,7 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
                        cfg.seed, b.warm_up_tokens, cfg.measure, api_key=key)
         return r, d, ref, opened, open_recs
     max_request_tokens = 512 + max(b.max_tokens, *b.mixed.max_tokens)
+    ending = []  # the servers stopped: each ends while the next one starts, and is gone before it is measured
     for run in [*b.runs, {**b.break_static, "name": "hf-static (no deadline)"}]:
         run = OmegaConf.create(run) if isinstance(run, dict) else run
         why = level_not_here(cfg, run.precision) if run.get("precision") else None
@@ -233,6 +242,8 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
             continue
         port = free_port()
         proc = start(cfg, run, port, max_request_tokens)
+        reap(ending)
+        ending = [proc]
         try:
             url = f"http://127.0.0.1:{port}/v1"
             r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
@@ -245,10 +256,11 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
                                  server_pids(proc))
                 r, d = r + mr, d + md
         finally:
-            stop(proc)
+            stop(proc, wait=False)
         level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else \
             {"float32": "fp32"}.get(cfg.precision.dtype, cfg.precision.dtype)
         rows, recs = rows + [{**row, "precision": level} for row in r], recs + d
+    reap(ending)
     c64 = [r for r in rows if r["backend"] == "engine-continuous" and r["concurrency"] == 64]
     if c64:
         ref = {**references(cfg, c64[0]["requests"], int(b.max_tokens), 64), "server_tps": c64[0]["throughput_tps"]}

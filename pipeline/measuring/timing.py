@@ -118,10 +118,10 @@ def engine_run(net: FlatModel, prompts, new_tokens: int, compile: bool = False, 
 def engine_case(net: FlatModel, prompts, n: int, reps: int, compile: bool = False, graphs: bool = False,
                 paged: bool = True) -> dict:
     """The engine's figures for B prompts of exactly n new tokens: the fastest of `reps` runs on the slot cache
-    (each followed by as many steps of the matrix products alone, once more before the first: floor_tps, the
-    fastest), and (`paged`) of `reps` on a paged pool."""
+    (each followed by as many steps of the matrix products alone: floor_tps, the fastest), and (`paged`) of `reps`
+    on a paged pool."""
     B, tokens = len(prompts), len(prompts) * n
-    eng, floor = [], [step_floor_ms(net, B, steps=n - 1, repeats=1, warm=False)]
+    eng, floor = [], []
     for _ in range(reps):
         eng.append(engine_run(net, prompts, n, compile, graphs=graphs))
         floor.append(step_floor_ms(net, B, steps=n - 1, repeats=1, warm=False))

@@ -59,7 +59,7 @@ def render(h: dict) -> str:
              "| what | value |", "|---|---|",
              f"| streaming read bandwidth | {h['bandwidth_gbs']:.1f} GB/s |",
              f"| fp32 matrix rate | {h['gflops']['fp32']:.0f} GFLOP/s |",
-             f"| bf16 matrix rate | {h['gflops']['bf16']:.0f} GFLOP/s |",
+             f"| bf16 matrix rate (the bf16 level's product) | {h['gflops']['bf16']:.0f} GFLOP/s |",
              f"| ridge point (computed) | {h['ridge_flop_per_byte']:.1f} FLOP/byte |",
              f"| KV bytes per token (computed) | {h['kv_bytes_per_token'] / 1024:.1f} KiB |", "",
              "## The floor of a decode step: the model's matrix products on B rows", "",
