@@ -1,7 +1,10 @@
 """check_precision's figures (pipeline.measuring.accuracy) against the definitions computed directly in fp64: KL
 divergence, top-1 agreement, near-ties and the stream's negative log-likelihoods, over more positions than one
 block of rows; identical logits give a divergence of exactly zero; lossless is decided against the floor; a greedy
-output cut short is no exact match."""
+output cut short is no exact match; the stream's prompts are distinct, and a committed stream is read only where it
+holds the sequences, length and seed asked."""
+import json
+
 import pytest
 import torch
 
@@ -42,3 +45,33 @@ def test_an_output_cut_short_or_run_long_is_no_exact_match():
     ref = [[5, 6, 7, 8], [1, 2, 3], [4, 4], [9, 9, 9]]
     got = [[5, 6, 7], [1, 2, 3], [4, 3], [9, 9, 9, 9]]  # truncated, equal, diverging, one token too many
     assert accuracy.greedy_agreement(ref, got) == {"greedy_exact": 0.25, "first_divergences": [1, 3, 3]}
+
+
+def test_stream_prompts_are_distinct_with_and_without_a_tokenizer(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    for tokenizer in (tok, None):
+        prompts = accuracy.stream_prompts(130, 256, tokenizer, 512, 0)  # past twice the chat questions
+        assert len({tuple(p) for p in prompts}) == 130
+        assert all(len(p) == 128 for p in prompts[3::4])  # every fourth a document of length / 2
+
+
+def test_a_committed_stream_is_read_where_it_fits_else_one_is_made_here(tiny_llama, tmp_path, monkeypatch):
+    from engine.model.forward import FlatModel
+
+    net = FlatModel(tiny_llama)
+    made = accuracy.token_stream(net, None, tiny_llama.config.vocab_size, 3, 64, 0)
+    monkeypatch.setattr(accuracy, "ROOT", tmp_path)
+    monkeypatch.setattr(accuracy, "STREAMS", tmp_path / "data" / "streams")
+    seqs, source = accuracy.stream_for("tiny", net, None, tiny_llama.config.vocab_size, 3, 64, 0)
+    assert seqs == made and source == "continued by fp32 on this machine"  # none committed
+    accuracy.STREAMS.mkdir(parents=True)
+    held = [[7] * 64, [8] * 64, [9] * 64, [10] * 64]
+    (accuracy.STREAMS / "tiny.json").write_text(json.dumps({"model": "tiny", "seed": 0, "tokens": 64,
+                                                            "machine": "M", "sequences": held}))
+    seqs, source = accuracy.stream_for("tiny", net, None, tiny_llama.config.vocab_size, 3, 64, 0)
+    assert seqs == held[:3] and source == "data/streams/tiny.json (continued by fp32 on M)"
+    for other in ((5, 64, 0), (3, 48, 0), (3, 64, 1)):  # more sequences than held, another length, another seed
+        assert accuracy.stream_for("tiny", net, None, tiny_llama.config.vocab_size, *other)[1] == \
+            "continued by fp32 on this machine"

@@ -1,6 +1,8 @@
 """What a precision level costs in accuracy, measured against fp32 (reports/precision.json).
 
-A token stream: the project's chat and long prompts, each continued greedily by the fp32 engine.
+A token stream: the project's chat and long prompts, each continued greedily by the fp32 engine; the model's committed
+stream (data/streams/<model>.json, pipeline/tools/make_stream.py) where it has one, so that every machine scores the
+same positions (fp32's own greedy choices differ between CPUs at near-ties, and so would the positions counted).
 Teacher-forced through each level, every position's logits are compared in fp64 with fp32's: KL(p_fp32 || p_level)
 (mean, p99, max), top-1 agreement over all positions and over those without a near-tie (the reference's top-2
 log-probabilities within bench.precision.near_tie of each other), and the change of the stream's perplexity.
@@ -9,29 +11,59 @@ The noise floor first: teacher-forced, fp32 against fp32 through another product
 request at a time against fp32 all at once (B=1 against B=many). A level is lossless when its mean KLD is within
 bench.precision.lossless_kld times the floor's and its top-1 without near-ties reaches bench.precision.lossless_top1.
 """
+import json
 from dataclasses import replace
 
 import numpy as np
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.config import ROOT
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.model.kv_cache import make_cache
 from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import first_divergence
-from pipeline.workloads.prompts import long_prompts, short_prompts
+from pipeline.workloads.prompts import CHAT, chat_ids, document_ids, long_prompts, short_prompts
 
 ROWS = 512            # positions whose fp64 distributions are held at once
+STREAMS = ROOT / "data" / "streams"  # committed token streams: <model>.json {"model", "seed", "tokens", "machine",
+                                     # "sequences": [[token ids]]}
+
+
+def stream_prompts(n: int, length: int, tokenizer, vocab_size: int, seed: int) -> list[list[int]]:
+    """n distinct prompts (greedy continuations of one prompt are one sequence counted again): every fourth a
+    numbered document of length / 2 tokens (document_ids), the rest the CHAT questions, then two of them in one turn;
+    seeded random ids without a tokenizer."""
+    if tokenizer is None:
+        return [long_prompts(1, length // 2, None, vocab_size, seed + i)[0] if i % 4 == 3 else p
+                for i, p in enumerate(short_prompts(n, None, vocab_size, seed))]
+    out = []
+    for i in range(n):
+        a, k = i % len(CHAT), i // len(CHAT)
+        out.append(document_ids(tokenizer, i, length // 2) if i % 4 == 3 else
+                   chat_ids(tokenizer, CHAT[a] if k == 0 else f"{CHAT[a]} {CHAT[(a + k) % len(CHAT)]}"))
+    return out
 
 
 def token_stream(net, tokenizer, vocab_size: int, sequences: int, length: int, seed: int) -> list[list[int]]:
-    """`sequences` token sequences of `length`: the project's chat prompts (and long prompts for every fourth),
-    each continued greedily by the engine `net` (fp32) to `length` tokens; EOS neither stops nor is masked."""
-    prompts = [long_prompts(1, length // 2, tokenizer, vocab_size, seed + i)[0] if i % 4 == 3 else p
-               for i, p in enumerate(short_prompts(sequences, tokenizer, vocab_size, seed))]
+    """`sequences` token sequences of `length`: stream_prompts, each continued greedily by the engine `net` (fp32)
+    to `length` tokens; EOS neither stops nor is masked."""
+    prompts = stream_prompts(sequences, length, tokenizer, vocab_size, seed)
     eng = LLMEngine(net, {"name": "continuous", "max_running": sequences}, length + 1, eos_ids=[])
     outs = eng.generate(prompts, [SamplingParams(max_new_tokens=length - len(p), ignore_eos=True) for p in prompts])
     return [p + o for p, o in zip(prompts, outs)]
+
+
+def stream_for(model: str, net, tokenizer, vocab_size: int, sequences: int, length: int,
+               seed: int) -> tuple[list[list[int]], str]:
+    """The first `sequences` of the model's committed stream where it holds that many of `length` tokens at `seed`,
+    else token_stream's here; and where they came from."""
+    path = STREAMS / f"{model}.json"
+    if path.exists():
+        s = json.loads(path.read_text())
+        if (s["seed"], s["tokens"]) == (seed, length) and len(s["sequences"]) >= sequences:
+            return s["sequences"][:sequences], f"{path.relative_to(ROOT)} (continued by fp32 on {s['machine']})"
+    return token_stream(net, tokenizer, vocab_size, sequences, length, seed), "continued by fp32 on this machine"
 
 
 @torch.inference_mode()

@@ -185,8 +185,9 @@ def build(cfg, root: Path) -> tuple[str, dict]:
     if prec:
         body, m = tables.precision(prec)
         parts.append(section("Precision: what each level costs in accuracy", "Each level's logits against fp32's, "
-                             "teacher-forced on a token stream of the project's prompts continued greedily by fp32 "
-                             f"({prec['positions']} positions), in fp64: KL divergence, top-1 agreement (and without "
+                             "teacher-forced on a token stream of distinct prompts of the project continued greedily "
+                             f"by fp32 ({prec['positions']} positions; "
+                             f"{prec.get('stream', 'continued by fp32 on this machine')}), in fp64: KL divergence, top-1 agreement (and without "
                              f"near-ties: the reference's top two within {prec['near_tie']:g} in log-probability), "
                              "perplexity change; free-running, whole greedy requests equal to fp32's. The noise floor "
                              "first: fp32 against itself through another product (and free-running, one request at a "

@@ -17,7 +17,8 @@ if __name__ == "__main__":
         base = compose_config([f"model={cfg.model.name}", "precision=fp32", f"threads={cfg.threads}"])
         model, tok = load_configured_model(base)
         ref = FlatModel(model)
-        seqs = accuracy.token_stream(ref, tok, model.config.vocab_size, int(p.sequences), int(p.tokens), int(cfg.seed))
+        seqs, stream = accuracy.stream_for(cfg.model.name, ref, tok, model.config.vocab_size, int(p.sequences),
+                                           int(p.tokens), int(cfg.seed))
         big = {k["choice"][-1] for k in ref.kernels.values()}  # the products a teacher-forced pass uses
         runs = candidates(ref.device, ref.dtype)  # another library's GEMM first (x @ W and F.linear may share MKL's)
         other = next((c for c in ("onednn", "packed", "in_out", "linear") if c in runs and c not in big), "linear")
@@ -34,7 +35,8 @@ if __name__ == "__main__":
         prompts = [s[:len(s) // 4] for s in seqs[:int(p.greedy_requests)]]
         fp32_out = accuracy.greedy(ref, prompts, int(p.greedy_tokens))
         alone = [accuracy.greedy(ref, [q], int(p.greedy_tokens))[0] for q in prompts[:int(p.greedy_alone)]]
-        out = {"reference": "fp32", "positions": max(f["positions"] for f in figures.values()),
+        out = {"model": cfg.model.name, "reference": "fp32", "stream": stream,
+               "positions": max(f["positions"] for f in figures.values()),
                "noise_floor": {**floor, **accuracy.greedy_agreement(fp32_out[:len(alone)], alone),
                                "comparisons": {n: figures[n] for n in floor_names}, "other_product": other},
                "levels": {}, "skipped": skipped, "near_tie": float(p.near_tie), "lossless_kld": float(p.lossless_kld),

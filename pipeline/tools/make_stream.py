@@ -1,0 +1,27 @@
+"""python -m pipeline.tools.make_stream [overrides]: the model's token stream for check_precision, continued greedily
+by fp32 on this machine, written to data/streams/<model>.json (bench.precision's sequences, tokens and the seed:
+`bench=full` for full's 128 sequences, of which `smoke` reads the first). Commit it: every machine then scores the
+same positions."""
+import json
+import sys
+
+from engine.config import ROOT, compose_config, load_configured_model
+from engine.model.forward import FlatModel
+from pipeline.measuring.accuracy import STREAMS, token_stream
+from pipeline.measuring.fingerprint import environment
+from pipeline.params import load
+from pipeline.results import write_text
+
+if __name__ == "__main__":
+    cfg = load(sys.argv[1:])
+    p = cfg.bench.precision
+    model, tok = load_configured_model(compose_config([f"model={cfg.model.name}", "precision=fp32",
+                                                        f"threads={cfg.threads}"]))
+    seqs = token_stream(FlatModel(model), tok, model.config.vocab_size, int(p.sequences), int(p.tokens),
+                        int(cfg.seed))
+    head = {"model": cfg.model.name, "seed": int(cfg.seed), "tokens": int(p.tokens),
+            "machine": environment(cfg.threads, "cpu")["label"]}
+    path = STREAMS / f"{cfg.model.name}.json"
+    write_text(path, json.dumps(head)[:-1] + ', "sequences": [\n'
+               + ",\n".join(json.dumps(s) for s in seqs) + "\n]}\n")  # a sequence a line
+    print(f"wrote {path.relative_to(ROOT)}: {len(seqs)} sequences of {int(p.tokens)} tokens")
