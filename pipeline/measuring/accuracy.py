@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.config import ROOT
+from engine.config import ROOT, compose_config, load_configured_model
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
+from engine.model.forward import FlatModel
 from engine.model.kv_cache import make_cache
 from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import first_divergence
@@ -28,6 +29,14 @@ from pipeline.workloads.prompts import CHAT, chat_ids, document_ids, long_prompt
 ROWS = 512            # positions whose fp64 distributions are held at once
 STREAMS = ROOT / "data" / "streams"  # committed token streams: <model>.json {"model", "seed", "tokens", "machine",
                                      # "sequences": [[token ids]]}
+
+
+def reference(cfg) -> tuple:
+    """(the fp32 config, Hugging Face model and tokenizer, the fp32 engine) of cfg's model: what levels are judged
+    against and what continues the stream."""
+    base = compose_config([f"model={cfg.model.name}", "precision=fp32", f"threads={cfg.threads}"])
+    model, tok = load_configured_model(base)
+    return base, model, tok, FlatModel(model)
 
 
 def stream_prompts(n: int, length: int, tokenizer, vocab_size: int, seed: int) -> list[list[int]]:

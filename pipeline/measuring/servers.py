@@ -94,11 +94,10 @@ def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 
     raise RuntimeError(f"server {name} did not come up")
 
 
-def stop(proc: subprocess.Popen, wait: bool = True):
-    """SIGTERM (a lab server drains), then (`wait`) reaped: killed if still there after 20 s."""
+def stop(proc: subprocess.Popen):
+    """SIGTERM (a lab server drains), then reaped: killed if still there after 20 s."""
     proc.terminate()
-    if wait:
-        reap([proc])
+    reap([proc])
 
 
 def reap(procs: list[subprocess.Popen]):
@@ -256,7 +255,7 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
                                  server_pids(proc))
                 r, d = r + mr, d + md
         finally:
-            stop(proc, wait=False)
+            proc.terminate()  # reaped once the next server is up
         level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else \
             {"float32": "fp32"}.get(cfg.precision.dtype, cfg.precision.dtype)
         rows, recs = rows + [{**row, "precision": level} for row in r], recs + d

@@ -1,6 +1,6 @@
 """Stage check_precision: each precision level's accuracy against fp32, the noise floor first
 (reports/precision.json: {"levels": {level: figures}, "noise_floor": figures, ...})."""
-from engine.config import ROOT, compose_config, load_configured_model
+from engine.config import ROOT
 from engine.kernels.choice import candidates
 from engine.model.forward import FlatModel
 from pipeline.measuring import accuracy
@@ -14,9 +14,7 @@ if __name__ == "__main__":
     with timed_stage():
         cfg = load()
         p = cfg.bench.precision
-        base = compose_config([f"model={cfg.model.name}", "precision=fp32", f"threads={cfg.threads}"])
-        model, tok = load_configured_model(base)
-        ref = FlatModel(model)
+        base, model, tok, ref = accuracy.reference(cfg)
         seqs, stream = accuracy.stream_for(cfg.model.name, ref, tok, model.config.vocab_size, int(p.sequences),
                                            int(p.tokens), int(cfg.seed))
         big = {k["choice"][-1] for k in ref.kernels.values()}  # the products a teacher-forced pass uses

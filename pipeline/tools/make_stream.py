@@ -5,9 +5,8 @@ same positions."""
 import json
 import sys
 
-from engine.config import ROOT, compose_config, load_configured_model
-from engine.model.forward import FlatModel
-from pipeline.measuring.accuracy import STREAMS, token_stream
+from engine.config import ROOT
+from pipeline.measuring.accuracy import STREAMS, reference, token_stream
 from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
 from pipeline.results import write_text
@@ -15,10 +14,8 @@ from pipeline.results import write_text
 if __name__ == "__main__":
     cfg = load(sys.argv[1:])
     p = cfg.bench.precision
-    model, tok = load_configured_model(compose_config([f"model={cfg.model.name}", "precision=fp32",
-                                                        f"threads={cfg.threads}"]))
-    seqs = token_stream(FlatModel(model), tok, model.config.vocab_size, int(p.sequences), int(p.tokens),
-                        int(cfg.seed))
+    _, model, tok, ref = reference(cfg)
+    seqs = token_stream(ref, tok, model.config.vocab_size, int(p.sequences), int(p.tokens), int(cfg.seed))
     head = {"model": cfg.model.name, "seed": int(cfg.seed), "tokens": int(p.tokens),
             "machine": environment(cfg.threads, "cpu")["label"]}
     path = STREAMS / f"{cfg.model.name}.json"
