@@ -29,13 +29,14 @@ static inline int64_t grain_of(int64_t work, int64_t per = GRAIN) {
 }
 
 // Tiles of a weight a thread takes at a time (a multiple of `step`): their bytes (`tile_bytes` each) within
-// GROUP_BYTES, its share of L2, so that each row block of x read from cache serves them all; yet not fewer groups than
-// threads.
+// GROUP_BYTES, its share of L2, so that each row block of x read from cache serves them all; each thread's share of
+// the tiles split into groups as even as that allows, so that no thread waits on another's last, larger group.
 constexpr int64_t GROUP_BYTES = 1 << 18;
 static inline int64_t tile_group(int64_t tiles, int64_t tile_bytes, int64_t step) {
   const int64_t fit = std::max<int64_t>(1, GROUP_BYTES / tile_bytes / step) * step;
   const int64_t each = (tiles + at::get_num_threads() - 1) / at::get_num_threads();  // tiles per thread
-  return std::max<int64_t>(step, std::min(fit, (each + step - 1) / step * step));
+  const int64_t groups = (each + fit - 1) / fit, even = (each + groups - 1) / groups;  // a thread's groups, their size
+  return (even + step - 1) / step * step;
 }
 
 static inline void check(const at::Tensor& t, const char* name) {

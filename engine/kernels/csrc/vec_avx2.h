@@ -5,7 +5,7 @@
 constexpr const char* ISA = "AVX2";
 constexpr int ACC = 2;
 constexpr int RMAX = 4;
-constexpr int FMA_TILES = 1, FMA_ROWS = 5;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
+constexpr int FMA_TILES = 1, FMA_ROWS = 6;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
 struct F {  // rows 0-7 and 8-15
   __m256 a, b;
 };
