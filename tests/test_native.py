@@ -234,6 +234,12 @@ assert lab.rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.silu_mul(z(2, 0
 lab.rotary_(z(1, 0, 4), z(1, 4), z(1, 4))
 assert lab.first_argmax(z(0, 5)).shape == (0,)
 assert lab.bf16_rms_norm(z(2, 0), z(0), 1e-5).shape == (2, 0) and lab.bf16_silu_mul(z(2, 0)).shape == (2, 0)
+for f in ("q4_1", "q8_0"):  # products of no outputs, every kernel (the tile kernels' groups of no tiles)
+    w = getattr(lab, f"{f}_pack")(torch.zeros(0, {"q4_1": 40, "q8_0": 68}[f], dtype=torch.uint8))
+    for k in ("", "_tiles", "_mm"):
+        assert getattr(lab, f"{f}{k}_linear")(z(3, 64), w, None, None).shape == (3, 0), (f, k)
+for k in ("", "_tiles", "_mm"):
+    assert getattr(lab, f"bf16{k}_linear")(z(3, 64), lab.bf16_pack(z(0, 64)), 0, None, None).shape == (3, 0), k
 for q, kv in [(z(1, 3, 8), z(1, 1, 0, 8)), (z(1, 3, 8), z(1, 0, 4, 8))]:  # no keys; no kv heads
     try:
         lab.decode_attention(q, kv, kv, None, 1.0)

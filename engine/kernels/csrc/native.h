@@ -35,7 +35,8 @@ constexpr int64_t GROUP_BYTES = 1 << 18;
 static inline int64_t tile_group(int64_t tiles, int64_t tile_bytes, int64_t step) {
   const int64_t fit = std::max<int64_t>(1, GROUP_BYTES / tile_bytes / step) * step;
   const int64_t each = (tiles + at::get_num_threads() - 1) / at::get_num_threads();  // tiles per thread
-  const int64_t groups = (each + fit - 1) / fit, even = (each + groups - 1) / groups;  // a thread's groups, their size
+  const int64_t groups = std::max<int64_t>(1, (each + fit - 1) / fit);  // a thread's groups (one: no tiles at all)
+  const int64_t even = std::max<int64_t>(1, (each + groups - 1) / groups);  // and their size
   return (even + step - 1) / step * step;
 }
 
