@@ -35,7 +35,6 @@ from servers.protocol import ChatRequest, CompletionRequest, error
 from servers.text import Detokenizer
 from servers.worker import EngineWorker
 
-FIELD_NAMES = {"max_new_tokens": "max_tokens", "prompt": "messages"}  # engine field -> API field
 DEADLINE_HEADER = "x-stainless-read-timeout"                           # s the client waits for a response
 FAILURES = {"error": (500, "server_error"), "shutdown": (503, "server_error")}  # finish reason -> status, error type
 
@@ -78,11 +77,11 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
     async def invalid(_, exc: RequestValidationError):
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":  # its loc is a character position, no parameter
+            return error(400, "request body is not valid JSON", None)
         param = ".".join(loc) or None
         text = str(first.get("msg", "")).removeprefix("Value error, ")
-        msg = "request body is not valid JSON" if first.get("type") == "json_invalid" else \
-            f"{param or 'body'}: {text}"
-        return error(400, msg, param)
+        return error(400, f"{param or 'body'}: {text}", param)
 
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
@@ -160,7 +159,8 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
         try:
             worker.validate(prompt, params)
         except RequestError as exc:
-            return error(400, str(exc).replace("max_new_tokens", "max_tokens"), FIELD_NAMES.get(exc.field, exc.field))
+            field = {"max_new_tokens": "max_tokens", "prompt": "messages" if chat else "prompt"}.get(exc.field, exc.field)
+            return error(400, str(exc).replace("max_new_tokens", "max_tokens"), field)
         deadline = deadline_of(request)
         refused = admit(prompt, params.max_new_tokens, deadline)
         if refused:

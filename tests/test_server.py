@@ -198,6 +198,19 @@ def test_bad_completions_input_gets_400_and_message(server, body, text):
     assert text in r.json()["error"]["message"], r.text
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": [1, 2, 49152]}, "prompt"),
+    ("/v1/completions", {"prompt": "x " * 600}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, "max_tokens"),
+    ("/v1/chat/completions", "{not json", None),
+])
+def test_error_names_the_parameter_of_its_endpoint(server, path, body, param):
+    r = httpx.post(f"{server.url}{path}", content=body if isinstance(body, str) else json.dumps(body),
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def test_accepted_and_ignored_fields(server):
     """Fields that ask for nothing here (user, unknown vendor fields, a text response_format, no tools, one choice, no
     logprobs, nulls, samplers off) are taken, and the answer is the one without them: same text, no logprobs."""
