@@ -35,6 +35,7 @@ from servers.protocol import ChatRequest, CompletionRequest, error
 from servers.text import Detokenizer
 from servers.worker import EngineWorker
 
+API_FIELDS = {"max_new_tokens": "max_tokens"}                        # engine -> API field (chat: prompt -> messages)
 DEADLINE_HEADER = "x-stainless-read-timeout"                           # s the client waits for a response
 FAILURES = {"error": (500, "server_error"), "shutdown": (503, "server_error")}  # finish reason -> status, error type
 
@@ -159,7 +160,7 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
         try:
             worker.validate(prompt, params)
         except RequestError as exc:
-            field = {"max_new_tokens": "max_tokens", "prompt": "messages" if chat else "prompt"}.get(exc.field, exc.field)
+            field = "messages" if chat and exc.field == "prompt" else API_FIELDS.get(exc.field, exc.field)
             return error(400, str(exc).replace("max_new_tokens", "max_tokens"), field)
         deadline = deadline_of(request)
         refused = admit(prompt, params.max_new_tokens, deadline)
