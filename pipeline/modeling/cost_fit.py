@@ -52,17 +52,41 @@ def level_of(tables: dict[str, dict]) -> tuple[str, dict[tuple[str, str], str]]:
     return base, {(name, r["point"]): r.get("precision", base) for name, t in tables.items() for r in t["rows"]}
 
 
+def first_principles(roof, steps: pd.DataFrame) -> dict:
+    """The roofline method (pipeline.modeling.roofline) on this CPU's measured roofs against the same measured steps
+    as the fit: each step rebuilt from its record (decode rows at their recorded context, its prompt tokens split
+    evenly over the prompts it samples), computed, and its errors beside the fit's (per kind too)."""
+    def seconds(r) -> float:
+        rows, prompts = int(r["num_decode_rows"]), max(1, int(r["num_sampled_rows"]) - int(r["num_decode_rows"]))
+        ctx = int(r["decode_attention"]) // rows if rows else 0
+        chunks = [(1, max(ctx - 1, 0), True)] * rows
+        if r["num_prompt_tokens"]:
+            chunks += [(max(1, int(r["num_prompt_tokens"]) // prompts), 0, True)] * prompts
+        return roof.seconds(chunks)
+
+    def errs(g: pd.DataFrame) -> dict:
+        y = g["duration"].to_numpy(float)
+        rel = np.abs(np.array([seconds(r) for r in g.to_dict("records")]) - y) / y
+        return {"steps": int(len(y)), "median_rel_error": float(np.median(rel)),
+                "p90_rel_error": float(np.percentile(rel, 90))}
+    return {"computed": True, "bandwidth_gbs": roof.bandwidth / 1e9, "gflops": roof.rate / 1e9,
+            "bytes_per_weight": roof.weight_bytes, **errs(steps),
+            "per_kind": {k: errs(g) for k, g in steps.groupby("kind")}}
+
+
 def fitted(model: CostModel, stats: dict) -> dict:
     per_token = model.coef["num_prompt_tokens"]
     return {"cost_model": model.as_dict(), "fit": stats,
             "knee_tokens": model.fixed / per_token if per_token > 0 else float("inf")}
 
 
-def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict, levels_from: str | None = None) -> dict:
+def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict, levels_from: str | None = None,
+                roof=None) -> dict:
     """The fit to the steps (of positive duration) of every replay not disturbed at the configured precision level,
     with the knee against the ridge point; and, where table `levels_from` ran points at several precision levels, a
     fit per level to that table's steps at the level (`levels`). `tables`: table name -> its results file (all from
-    one machine); steps: their steps, with `table` and `point` columns; hw: reports/hardware.json."""
+    one machine); steps: their steps, with `table` and `point` columns; hw: reports/hardware.json; roof: this CPU's
+    roofline (pipeline.modeling.machines.cpu_roofline), judged on the same steps as the fit (`first_principles`)."""
     machines = {t["machine"]["id"]: t["machine"] for t in tables.values()}
     if len(machines) != 1:
         raise SystemExit(f"fit_cost_model: the engine results come from {len(machines)} machines "
@@ -73,6 +97,7 @@ def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict, levels_f
     level = runs.map(levels)
     keep = ~runs.isin(disturbed) & (steps["duration"] > 0)
     model, stats = fit(steps[keep & (level == base)])
+    principles = first_principles(roof, steps[keep & (level == base)]) if roof is not None else None
     stats["left_out_runs"] = sorted(f"{t} | {p}" for t, p in disturbed)
     by_level = {}
     if levels_from in tables:
@@ -80,7 +105,8 @@ def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict, levels_f
             mine = steps[keep & (steps["table"] == levels_from) & (level == name)]
             if len(mine) > len(FEATURES):  # more steps than coefficients
                 by_level[name] = fitted(*fit(mine))
-    return {**fitted(model, stats), "precision": base, "levels": by_level, "levels_from": levels_from,
+    return {**fitted(model, stats), "first_principles": principles, "precision": base, "levels": by_level,
+            "levels_from": levels_from,
             "ridge_flop_per_byte": hw["ridge_flop_per_byte"],
             "knee_from_ridge_tokens": hw["ridge_flop_per_byte"] * hw["weight_bytes"] / hw["params"] / 2,
             "machine": next(iter(machines.values()))}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from engine.config import group_entry
 from pipeline.measuring.metrics import meets_slo
-from pipeline.reporting import models, precision_table, shaped, tables
+from pipeline.reporting import computed, models, precision_table, shaped, tables
 from pipeline.workloads.runs import table_config
 
 
@@ -299,6 +299,10 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                              "model=<name>`, then `python -m pipeline.tools.keep_reports <experiment>`: its reports in "
                              "reports/models/<name>/), the same workloads, loads and SLOs in units of each model's own "
                              "measured step (measured).", kept))
+    note, body, m = computed.pointer(reports)
+    if body:
+        parts.append(section("At GPU scale: computed, not measured", note, body))
+        metrics.update(m)
     timed = {**results_by_table, "engine_speed": speed["rows"] if speed else [],
              "servers": servers["rows"] if servers else []}
     account, m = disturbance(timed)

@@ -134,6 +134,17 @@ def cost_model(result: dict):
                "cost_model.median_rel_error": round(f["median_rel_error"], 4),
                **{f"cost_model.{k}.median_rel_error": round(v["median_rel_error"], 4)
                   for k, v in f["per_kind"].items()}}
+    fp = result.get("first_principles")
+    if fp:
+        per_kind += "\n\n" + markdown(
+            ["steps", "fitted: median error", "first principles (computed): median error", "p90 error"],
+            [[k, f"{fv['median_rel_error']:.1%}", f"{pv['median_rel_error']:.1%}", f"{pv['p90_rel_error']:.1%}"]
+             for k, fv, pv in [("all", f, fp), *((k, f["per_kind"][k], v) for k, v in fp["per_kind"].items())]])
+        per_kind += (f"\n\nFirst principles: the GPU reports' roofline method (pipeline/modeling/roofline.py) on this "
+                     f"CPU's probe, {fp['bandwidth_gbs']:.1f} GB/s and {fp['gflops']:.0f} GFLOP/s measured, "
+                     f"{fp['bytes_per_weight']:.2f} bytes a weight, every efficiency term at 1 and no fixed cost: "
+                     "the one place the method's error shows against measured steps.")
+        metrics["cost_model.first_principles.median_rel_error"] = round(fp["median_rel_error"], 4)
     return (f"{coef}\n\nFit error by kind of step:\n\n{per_kind}\n\n{knee}\n\n"
             f"Fitted to {f['steps']} measured steps."), metrics
 
