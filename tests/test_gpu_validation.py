@@ -65,6 +65,8 @@ def test_steptime_answers_a_batch_in_json_and_refuses_what_it_cannot_compute():
     assert bad.returncode != 0 and "h100-sxm" in bad.stderr  # the options listed
     cpu = steptime("hardware=cpu", "decode=1")
     assert cpu.returncode != 0 and "spec sheet" in cpu.stderr
+    big = steptime("hardware=h100-sxm", "model=llama-3.1-70b-shape", "precision=bf16-cuda", "batch=1")
+    assert big.returncode != 0 and "tp=2" in big.stderr  # 141 GB of weights on one 80 GB GPU
 
 
 def test_first_principles_on_this_cpu_judged_on_recorded_steps():

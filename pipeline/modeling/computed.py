@@ -18,7 +18,7 @@ from engine.config import compose_config
 from pipeline.measuring.metrics import capacity_at_slo, slo_limits
 from pipeline.modeling import shaped
 from pipeline.modeling.batch import decode_step
-from pipeline.modeling.machines import kv_tokens, spec_roofline
+from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 from pipeline.modeling.roofline import GB, Roofline
 from pipeline.modeling.simulation import full_batch_decode, simulate
 from pipeline.workloads.generate import build
@@ -48,11 +48,12 @@ SHAPE_REQUESTS = 96                  # requests a production-shaped run (capacit
 
 
 def base_config(item, seed: int = 0) -> tuple:
-    """(the composed config of a `computed` entry at GPU scale, its roofline, the K/V tokens its memory holds)."""
+    """(the composed config of a `computed` entry at GPU scale, its roofline over the entry's `tp` devices (default:
+    the fewest that hold the weights and some K/V), the K/V tokens their memory holds)."""
     cfg = compose_config([f"hardware={item['hardware']}", f"model={item['model']}", f"precision={item['precision']}",
                           "profile=gpu", f"profile.requests_scale={REQUESTS_SCALE}", "slo=chat",
                           f"max_request_tokens={CONTEXT}", f"seed={seed}"])
-    roof = spec_roofline(cfg)
+    roof = spec_roofline(cfg, int(item.get("tp") or fewest_devices(cfg)))
     return cfg, roof, kv_tokens(roof, float(cfg.hardware.memory_gb))
 
 
@@ -114,9 +115,8 @@ def seats_table(item, extra: str) -> list[dict]:
     for hw in dict.fromkeys((*SEATS_HARDWARE, extra)):
         for model in SEATS_MODELS:
             cfg = compose_config([f"hardware={hw}", f"model={model}", f"precision={item['precision']}"])
-            tp = 1
-            while kv_tokens(roof := spec_roofline(cfg, tp), float(cfg.hardware.memory_gb)) <= 0 and tp < 8:
-                tp *= 2
+            tp = fewest_devices(cfg)
+            roof = spec_roofline(cfg, tp)
             tokens = kv_tokens(roof, float(cfg.hardware.memory_gb)) * tp
             out.append({"hardware": hw, "model": model, "devices": tp, "weights_gb": roof.weights_bytes() * tp / GB,
                         "kv_gb": tokens * roof.kv_bytes_per_token() / GB, "kv_tokens": int(tokens),

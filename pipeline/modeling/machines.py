@@ -53,6 +53,16 @@ def cpu_roofline(hw: dict, shape: Shape, kv_bytes: float) -> Roofline:
     return Roofline(shape, hw["bandwidth_gbs"] * GB, rate * 1e9, hw["weight_bytes"] / per_step, kv_bytes)
 
 
+def fewest_devices(cfg, most: int = 64) -> int:
+    """The fewest devices (a power of two) over which cfg.model's weights leave room for K/V on cfg.hardware."""
+    tp = 1
+    while kv_tokens(spec_roofline(cfg, tp), float(cfg.hardware.memory_gb)) <= 0:
+        if tp >= most:
+            raise ValueError(f"model {cfg.model.name} does not fit {most} x {cfg.hardware.name}")
+        tp *= 2
+    return tp
+
+
 def kv_tokens(roof: Roofline, memory_gb: float) -> float:
     """K/V tokens the devices hold once the weights are in (0 where the weights alone do not fit)."""
     return max(0.0, kv_budget_bytes(roof, memory_gb)) / roof.kv_bytes_per_token()

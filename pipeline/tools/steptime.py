@@ -6,8 +6,9 @@ Computed step times (never measured) of a model at a precision on a spec sheet o
   batch=B input_tokens=L output_tokens=O [token_budget=T]
                                     B requests admitted together and run to the end under continuous batching
                                     (chunked at T tokens a step if given), as `vllm bench latency` times a batch
-and `tp=N` splits the model over N devices. It prints each step's time, bytes, FLOPs and the roof that binds; --json
-prints one JSON object instead (with end_to_end_s and ttft_s for the batch form)."""
+and `tp=N` splits the model over N devices. The batch's K/V lives in what their memory leaves after the weights (of
+90 % of it, vLLM's default): requests that do not fit wait for others to finish. It prints each step's time, bytes,
+FLOPs and the roof that binds; --json prints one JSON object instead (with end_to_end_s and ttft_s for a batch)."""
 import dataclasses
 import json
 import sys
@@ -17,7 +18,7 @@ from omegaconf import OmegaConf
 
 from engine.config import compose_config
 from pipeline.modeling.batch import chunk_step, decode_step, run_batch
-from pipeline.modeling.machines import spec_roofline
+from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 
 OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp"}
 
@@ -53,8 +54,12 @@ def compute(own: dict, overrides: list[str]) -> dict:
             "calibrated_from": OmegaConf.to_container(cfg.hardware.efficiency.calibrated_from)}
     if "batch" in own:
         budget = _int(own, "token_budget") if "token_budget" in own else None
-        return {**head, **run_batch(roof, _int(own, "batch"), _int(own, "input_tokens", 128),
-                                    _int(own, "output_tokens", 128), budget)}
+        memory = kv_tokens(roof, float(cfg.hardware.memory_gb))
+        if memory <= 0:
+            raise ValueError(f"{cfg.model.name}'s weights leave no room for K/V on {roof.tp} x {cfg.hardware.name}: "
+                             f"add devices (tp={fewest_devices(cfg)} holds it)")
+        return {**head, "kv_tokens": memory, **run_batch(roof, _int(own, "batch"), _int(own, "input_tokens", 128),
+                                                         _int(own, "output_tokens", 128), budget, memory)}
     if "chunks" in own:
         try:
             pairs = [tuple(int(x) for x in c.split("@")) for c in own["chunks"].split(",")]
