@@ -1,9 +1,9 @@
 """Step time from first principles: what a step moves (the weights once, each row's K/V read and its new K/V written)
 and what it computes (2 FLOP per weight per token through the layers and, for the rows that sample, the LM head;
 attention 4 FLOP per query-key pair per head dimension, causal within a prompt chunk), each operator class against the
-hardware's memory and compute roofs: an operator class costs its compute time plus its memory time (no overlap; the
-published runs of reports/gpu_validation.md fit this far better than the larger of the two, which misses by up to
-55 % near the ridge point), the classes summed, plus a fixed cost per step. Its efficiency terms are the ones any real
+hardware's memory and compute roofs: an operator class costs its compute time plus its memory time (no overlap: near
+the ridge point the published runs of reports/gpu_validation.md take about the sum, not the larger of the two), the
+classes summed, plus a fixed cost per step. Its efficiency terms are the ones any real
 engine has: the achieved fraction of the memory bandwidth, of the dense matrix rate, seconds per step spent outside
 both (launches, scheduling, sampling) and, split over devices, seconds per all-reduce besides its bytes. Tensor
 parallelism splits weights, K/V heads and FLOPs over `tp` devices and adds two all-reduces of the step's activations
