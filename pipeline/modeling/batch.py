@@ -36,9 +36,13 @@ def run_batch(roof: Roofline, batch: int, input_tokens: int, output_tokens: int,
     if token_budget is None and (kv_tokens is None or kv_tokens >= need):
         times = [roof.seconds(chunks) for chunks in batch_plans(batch, input_tokens, output_tokens)]
         return _summary(batch, input_tokens, output_tokens, times[0], sum(times), len(times))
-    kv = {"name": "paged", "block_size": BLOCK, "num_blocks": int(kv_tokens // BLOCK), "prefix_caching": False} \
-        if kv_tokens is not None and kv_tokens < need else "slot"
+    kv = paged_pool(kv_tokens, prefix_caching=False) if kv_tokens is not None and kv_tokens < need else "slot"
     return scheduled_batch(roof, batch, input_tokens, output_tokens, token_budget, kv)
+
+
+def paged_pool(tokens: float, prefix_caching: bool = True) -> dict:
+    """A conf/kv entry: a paged pool of BLOCK-token blocks holding `tokens` (the memory's K/V room)."""
+    return {"name": "paged", "block_size": BLOCK, "num_blocks": int(tokens // BLOCK), "prefix_caching": prefix_caching}
 
 
 def scheduled_batch(roof: Roofline, batch: int, input_tokens: int, output_tokens: int,

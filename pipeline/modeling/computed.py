@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from engine.config import compose_config
 from pipeline.measuring.metrics import capacity_at_slo, slo_limits
 from pipeline.modeling import shaped
-from pipeline.modeling.batch import decode_step
+from pipeline.modeling.batch import decode_step, paged_pool
 from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 from pipeline.modeling.roofline import GB, Roofline
 from pipeline.modeling.simulation import full_batch_decode, simulate
@@ -68,7 +68,7 @@ def at_scale(cfg, budget: float, chunk: bool = True, seats: int = SEATS):
         cfg.policy.token_budget = TOKEN_BUDGET
     cfg.load.ref_seats = SEATS
     if cfg.policy.name not in ("static", "dynamic", "bucketed"):
-        cfg.kv = OmegaConf.create({"name": "paged", "block_size": 16, "num_blocks": int(budget // 16)})
+        cfg.kv = OmegaConf.create(paged_pool(budget))
     return cfg
 
 
@@ -179,8 +179,7 @@ def closed_loop(base, roof: Roofline, budget: float, step_s: float) -> list[dict
     meta, jobs = [], []
     for series, policy in CLOSED.items():
         cfg.policy = OmegaConf.create(policy)
-        cfg.kv = OmegaConf.create({"name": "slot"} if policy["name"] == "dynamic" else
-                                  {"name": "paged", "block_size": 16, "num_blocks": int(budget // 16)})
+        cfg.kv = OmegaConf.create({"name": "slot"} if policy["name"] == "dynamic" else paged_pool(budget))
         for c in CONCURRENCY:
             cfg.workload.num_requests = max(2, c // 4)  # x profile.requests_scale 4
             meta.append({"series": series, "concurrency": c})

@@ -36,7 +36,7 @@ def spec_roofline(cfg, tp: int | None = None) -> Roofline:
     return Roofline(model_shape(cfg.model), hw.bandwidth_gbs * GB, rates[prec.compute] * 1e12,
                     DTYPE_BYTES[prec.dtype], DTYPE_BYTES[prec.kv_dtype],
                     Efficiency(**{k: float(v) for k, v in hw.efficiency.items() if k in Efficiency.__annotations__}),
-                    tp, hw.interconnect_gbs * GB, DTYPE_BYTES[prec.dtype] if prec.dtype != "float8_e4m3fn" else 2)
+                    tp, hw.interconnect_gbs * GB, DTYPE_BYTES[prec.dtype])
 
 
 def kv_budget_bytes(roof: Roofline, memory_gb: float) -> float:
