@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from engine.model.loader import load_model
 from tests.serving import BACKENDS, Server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ("tiny-llama", "tiny-qwen2")
 
 

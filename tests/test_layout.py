@@ -4,7 +4,7 @@ small enough to read whole."""
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "pipeline", "servers")
 MAX_LINES = 350
 

@@ -62,7 +62,7 @@ def test_bf16_products_are_the_same_bits_in_every_build(tmp_path):
 KQUANTS = """
 import sys, numpy as np, torch
 from engine.kernels import build
-from tests.test_kquants import random_blocks
+from tests.engine.kernels.test_kquants import random_blocks
 lab, x = build.ops(), torch.load(sys.argv[1])
 packs = {f: getattr(lab, f"{f}_pack")(torch.from_numpy(random_blocks(f, np.random.default_rng(0), 37, 512)))
          for f in ("q4_k", "q5_0", "q6_k")}
@@ -81,7 +81,7 @@ def test_kquant_products_are_the_same_bits_in_every_vector_build(tmp_path):
     for build in [b for b in native.builds() if b != "scalar"]:
         run = subprocess.run([sys.executable, "-c", KQUANTS, str(tmp_path / "x.pt"), str(tmp_path / f"{build}.pt")],
                              env={**os.environ, native.BUILD_VAR: build}, capture_output=True, text=True, timeout=1200,
-                             cwd=HERE.parent)
+                             cwd=HERE.parents[2])
         assert run.returncode == 0, run.stderr[-2000:]
         outs[build] = torch.load(tmp_path / f"{build}.pt")
     first, *rest = outs

@@ -1,7 +1,7 @@
 """The Q4_1 and Q8_0 kernels (engine/kernels/csrc/quant.h): on synthetic GGUF blocks with known codes, scales and
 minima, and on the real model's weights, each op (per-row blocks, dequantized tiles) equals gguf's dequantization
 times x to fp32 rounding, whatever the shapes, tails and number of rows; a row's result does not depend on the rows
-beside it (under every instruction-set build: tests/test_builds.py; Q4_1 in fixed point with AVX512-VNNI, in fp32
+beside it (under every instruction-set build: tests/engine/kernels/test_builds.py; Q4_1 in fixed point with AVX512-VNNI, in fp32
 without it)."""
 import importlib.util
 from pathlib import Path

@@ -130,7 +130,7 @@ def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
     cmd = [sys.executable, "-m", "servers", "model=tiny-chat", f"model.tokenizer={smollm2_tokenizer_dir}",
            "policy=static", "policy.max_batch=2", "policy.max_running=4", f"port={port}", "server.shutdown_grace_s=5",
            "threads=1"]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).parent.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "LAB_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,7 +9,7 @@ from engine.config import compose_config
 from pipeline.params import PARAMS
 from pipeline.workloads.runs import point_overrides, runs
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [d.name for d in CONF.iterdir() if d.is_dir() and d.name != "experiment"]
 
 

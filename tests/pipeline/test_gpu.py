@@ -1,5 +1,5 @@
 """On one CUDA device (`make gpu-check`; skipped with its reason elsewhere): token equality with Hugging Face
-`generate` on both tiny architectures in fp32 and, by the near-tie rule of tests/test_bf16.py, in bf16; a server
+`generate` on both tiny architectures in fp32 and, by the near-tie rule of tests/engine/model/test_bf16.py, in bf16; a server
 answering with the API's default sampling (temperature 1); the engine speed case at B=1 and B=64 (no speed bar:
 the figures are printed)."""
 import pytest
@@ -14,7 +14,7 @@ from pipeline.measuring.timing import engine_case, hf_case
 from pipeline.workloads.prompts import prompts_for
 from tests.conftest import TINY, model_cfg
 from tests.serving import BACKENDS, Server, client
-from tests.test_bf16 import agreement
+from tests.engine.model.test_bf16 import agreement
 
 pytestmark = pytest.mark.gpu
 

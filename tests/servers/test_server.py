@@ -108,7 +108,7 @@ def test_penalties_change_greedy_output(server):
     assert ask(frequency_penalty=2.0, presence_penalty=2.0) != base
 
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.mark.parametrize("name", ["guidellm_chat", "guidellm_completions", "vllm_bench_chat",

@@ -22,11 +22,11 @@ from engine.model.kv_cache import make_cache
 from engine.model.loader import load_model, prepare, random_model
 from engine.model.runner import ModelRunner
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
-from tests.test_model_support import random_norms
-from tests.test_paged import BS, PAGED_ARRIVE, PAGED_LENS, POOLS, paged_prompts, run_paged
-from tests.test_paged import POLICIES as PAGED_POLICIES
+from tests.engine.model.test_model_support import random_norms
+from tests.engine.model.test_paged import BS, PAGED_ARRIVE, PAGED_LENS, POOLS, paged_prompts, run_paged
+from tests.engine.model.test_paged import POLICIES as PAGED_POLICIES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 TINY = OmegaConf.load(ROOT / "conf/model/tiny-gemma3.yaml")
 REAL = OmegaConf.load(ROOT / "conf/model/gemma3-270m.yaml")
 NATIVE = [True, False]  # the native CPU kernels (where they build), ATen's operators

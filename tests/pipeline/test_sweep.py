@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_slurm_launcher_composes():

@@ -16,7 +16,7 @@ from engine.config import compose_config, group_entry
 from engine.kernels import build
 from pipeline.measuring.fingerprint import label
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 AVX512 = {"avx2": True, "avx512f": True, "amx_tile": True}  # engine.machine.cpu_info's flags of a CPU with AMX
 AVX2_ONLY = {"avx2": True, "avx512f": False, "amx_tile": False}

@@ -1,5 +1,5 @@
 """The seed tables' workloads and the load generator's Poisson arrivals stay bit-identical for the same seed: their
-digests are kept in tests/fixtures/workload_fingerprints.json (rewrite it with `python -m tests.test_workload_compat`
+digests are kept in tests/fixtures/workload_fingerprints.json (rewrite it with `python -m tests.pipeline.test_workload_compat`
 only when a change of them is meant)."""
 import hashlib
 import json
@@ -12,7 +12,7 @@ from engine.model.loader import load_tokenizer
 from pipeline.measuring.loadgen import open_loop_times
 from pipeline.workloads.generate import build
 
-FIXTURE = Path(__file__).parent / "fixtures" / "workload_fingerprints.json"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "workload_fingerprints.json"
 WORKLOADS = ["equal", "headline", "long", "long15", "shared_prefix", "short"]
 LOADS = ["all", "closed", "gamma", "poisson"]
 CASES = [(w, ld, s, "smoke") for w in WORKLOADS for ld in LOADS for s in (0, 1)] + \

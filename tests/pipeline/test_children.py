@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow  # subprocesses that import the lab: seconds each
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPIN = "from pipeline.tools.neighbour import spin\nspin()\n"
 SERVER = ("from omegaconf import OmegaConf\nfrom engine.config import compose_config\n"
           "from pipeline.measuring.servers import free_port, start\n"

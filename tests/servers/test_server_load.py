@@ -1,6 +1,6 @@
 """The servers under pressure: 429 by count and by time with Retry-After, deadlines, disconnects that abort the
 request and free the seat, and metrics that count what was served (starting, failing and stopping:
-tests/test_server_lifecycle.py)."""
+tests/servers/test_server_lifecycle.py)."""
 import json
 import threading
 import time

@@ -109,7 +109,7 @@ def test_abort_during_a_chunked_prefill_frees_its_seat(tiny_llama):
 @pytest.fixture(scope="module")
 def long_context_llama():
     """tiny-llama with room for prompts of a few MLP passes (engine.model.forward.MLP_ROWS tokens each)."""
-    tiny = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny-llama.yaml")
+    tiny = OmegaConf.load(Path(__file__).resolve().parents[3] / "conf" / "model" / "tiny-llama.yaml")
     cfg = {**OmegaConf.to_container(tiny.config), "max_position_embeddings": 4096}
     return random_model(cfg, seed=1)
 

@@ -3,7 +3,7 @@ are gguf's dequantization to the bit, its products equal x @ W^T to fp32 roundin
 rows, a row's bits the same alone or among others; a block misread at any field (d for dmin, the scale packing, a qh
 bit off...) fails these comparisons; parts of different formats make one product (GgufDense in Python, lab.layers'
 segments natively), and a tiny Llama whose GGUF file mixes all five formats runs at precision=w4 (under every
-instruction-set build: tests/test_builds.py)."""
+instruction-set build: tests/engine/kernels/test_builds.py)."""
 import numpy as np
 import pytest
 import torch
@@ -12,7 +12,7 @@ from gguf import GGUFWriter, quants
 
 from engine.kernels import build as native
 from engine.model.linear import GgufDense
-from tests.test_quant import assert_product
+from tests.engine.kernels.test_quant import assert_product
 
 lab = native.ops()
 pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
@@ -193,7 +193,7 @@ MIX = [{"attn_q": "q5_0", "attn_k": "q8_0", "attn_v": "q5_0", "attn_output": "q4
 def mixed_gguf(tmp_path_factory):
     """(a tiny Llama holding the dequantized values of random blocks, the GGUF file of those blocks)."""
     from engine.model.loader import random_model
-    from tests.test_w4 import llama_cpp_order
+    from tests.engine.model.test_w4 import llama_cpp_order
 
     model, rng, tensors = random_model(CONFIG, seed=5), np.random.default_rng(5), {}
 
@@ -221,7 +221,7 @@ def test_a_file_mixing_every_format_runs_at_w4(mixed_gguf):
     from engine.model.forward import FlatModel
     from engine.model.hf import generate_alone
     from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
-    from tests.test_w4 import agrees
+    from tests.engine.model.test_w4 import agrees
 
     model, path = mixed_gguf
     net = FlatModel(model, weights="gguf", gguf=path)

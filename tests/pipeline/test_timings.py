@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.timings import timed_stage
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_stage_records_its_seconds_under_its_name(tmp_path):
