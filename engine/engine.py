@@ -2,37 +2,34 @@
 import itertools
 import time
 
-from engine import machine
-from engine.config import kv_config, policy_config
+from engine import usage
 from engine.core.kv_pools import make_pools
 from engine.core.outputs import StepEvent, StepRecord
 from engine.core.policies import make_scheduler
 from engine.core.request import Request, RequestError, SamplingParams, check_request
 from engine.kernels import choice as kernels
-from engine.model.forward import FlatModel
 from engine.model.kv_cache import make_cache
 from engine.model.runner import ModelRunner
+from engine.specs import KVSpec, PolicySpec
 
 
 class LLMEngine:
-    def __init__(self, model, policy, max_request_tokens: int, eos_ids=(), kv="slot", seed: int = 0,
-                 clock=time.perf_counter, runner=None, compile: bool = False, graphs: bool = False):
-        """model: a FlatModel, or a Hugging Face model whose weights it copies; policy: a conf/policy entry; kv: a
-        conf/kv entry or name; max_request_tokens: prompt + output of one request (a seat's length on the slot
-        cache); runner: a ready runner (the simulator's) instead of one over the model; compile: decode-only steps
-        through torch.compile; graphs: those steps padded to few shapes (CUDA graphs on CUDA)."""
-        kv = kv_config(kv)
-        machine.retain_freed_memory()  # each step's temporaries reuse the last step's memory
-        self.scheduler = make_scheduler(policy_config(policy), max_request_tokens, eos_ids)
+    def __init__(self, net, policy: PolicySpec, max_request_tokens: int, kv: KVSpec = KVSpec(), eos_ids=(),
+                 seed: int = 0, clock=time.perf_counter, runner=None, compile: bool = False, graphs: bool = False):
+        """Built by engine/factory.py. net: the engine's model (engine/model/forward.py); max_request_tokens: prompt
+        + output of one request (a seat's length on the slot cache); runner: a ready runner (the simulator's)
+        instead of one over the net; compile: decode-only steps through torch.compile; graphs: those steps padded
+        to few shapes (CUDA graphs on CUDA)."""
+        usage.retain_freed_memory()  # each step's temporaries reuse the last step's memory
+        self.scheduler = make_scheduler(policy, max_request_tokens, eos_ids)
         self.max_request_tokens = max_request_tokens
-        net = None if runner is not None else model if isinstance(model, FlatModel) else FlatModel(model)
-        if kv["name"] == "paged":
+        if kv.name == "paged":
             src = runner or net
             self.scheduler.use_blocks(make_pools(kv, self.scheduler.max_running, max_request_tokens,
                                                  src.kv_bytes_per_token, getattr(src, "windows", None)))
         if runner is None:
             seats = self.scheduler.seats.num_seats if self.scheduler.seats else 0
-            runner = ModelRunner(net, make_cache(kv["name"], net, seats, max_request_tokens, self.scheduler.blocks),
+            runner = ModelRunner(net, make_cache(kv.name, net, seats, max_request_tokens, self.scheduler.blocks),
                                  seed, eos_ids, compile, graphs)
         self.runner = runner
         self.vocab_size = runner.vocab_size
@@ -124,7 +121,7 @@ class LLMEngine:
             low = top + 1
         if self.runner.graphs:
             sizes |= {1 << k for k in range(seats.bit_length()) if 1 << k <= seats}
-        scratch = LLMEngine(None, {"name": "continuous", "max_running": seats}, self.max_request_tokens,
+        scratch = LLMEngine(None, PolicySpec("continuous", seats), self.max_request_tokens,
                             runner=self.runner)
         n = max(1, min(8, self.max_request_tokens - 3))  # prompt tokens; 3 new ones: a prefill, then 2 decodes
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)

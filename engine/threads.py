@@ -1,14 +1,14 @@
 """Intra-op threads that follow the free cores: a 2-thread step beside a busy process on one of 2 cores stalls at
 every parallel region's barrier (one thread waits for the other's turn on its core), so a lost core costs far more
 than its share. Every `measure.governor_interval_s` the governor measures the CPU other work used
-(engine.machine.other_cpu_share) and runs the steps on the cores left (at least one, at most the configured
+(engine.usage.other_cpu_share) and runs the steps on the cores left (at least one, at most the configured
 threads); each `measure.busy_per_core` CPUs of other work take a core away (conf/config.yaml)."""
 import os
 import time
 
 import torch
 
-from engine.machine import CpuTimes, cpu_times, other_cpu_share
+from engine.usage import CpuTimes, cpu_times, other_cpu_share
 
 
 class ThreadGovernor:

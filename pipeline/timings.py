@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.measuring.fingerprint import environment
 from pipeline.results import write_json
 

@@ -11,11 +11,12 @@ import sys
 import threading
 
 import uvicorn
-from omegaconf import OmegaConf
 
-from engine import LLMEngine, isa
-from engine.config import compose_config, load_configured_model, load_engine_model
+from engine import threads
+from engine.factory import build_engine
 from engine.model.loader import eos_ids, pad_id
+from pipeline import isa
+from pipeline.config import compose_config, kv_spec, load_net, load_source, policy_spec
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -23,15 +24,15 @@ from servers.worker import EngineWorker
 
 def build(cfg):
     """The app for a composed config: the model, the engine with the configured policy, its worker thread."""
-    load = load_engine_model if cfg.server.name == "engine" else load_configured_model
+    threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
+    load = load_net if cfg.server.name == "engine" else load_source
     model, tokenizer = load(cfg)
     if tokenizer is None:
         raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
     srv = cfg.server
     if srv.name == "engine":
-        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(srv.max_request_tokens), eos_ids(model),
-                           seed=int(cfg.seed), kv=OmegaConf.to_container(cfg.kv), compile=bool(cfg.precision.compile),
-                           graphs=bool(cfg.precision.graphs))
+        engine = build_engine(model, policy_spec(cfg.policy), int(srv.max_request_tokens), eos_ids=eos_ids(model),
+                              seed=int(cfg.seed), kv=kv_spec(cfg.kv))
         worker = EngineWorker(engine, int(srv.max_waiting))
     else:
         worker = GenerateWorker(model, eos_ids(model), int(srv.max_request_tokens), int(srv.max_batch),

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
 from engine import RequestError, SamplingParams
-from engine.machine import rss_mb
+from engine.usage import rss_mb
 from servers.generate_worker import NO_PER_ROW, GenerateWorker
 from servers.metrics import ServerMetrics
 from servers.protocol import ChatRequest, CompletionRequest, error

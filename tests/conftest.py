@@ -1,12 +1,14 @@
 """Shared fixtures: tiny random-weight models of two architectures, the real default model, and the servers over
 a tiny chat model (tests.serving)."""
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from engine.model.loader import load_model
+from engine.factory import load_source
+from engine.specs import ModelSpec
+from pipeline.config import model_spec
 from tests.serving import BACKENDS, Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,21 +25,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def model_cfg(name: str):
-    return OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+def model_cfg(name: str, **changes) -> ModelSpec:
+    """conf/model/<name>.yaml as a record, with `changes`."""
+    return replace(model_spec(name), **changes)
 
 
 @pytest.fixture(scope="session", params=TINY)
 def tiny(request):
     """(name, model) for each tiny architecture."""
     torch.set_num_threads(2)
-    model, _ = load_model(model_cfg(request.param))
+    model, _ = load_source(model_cfg(request.param))
     return request.param, model
 
 
 @pytest.fixture(scope="session")
 def tiny_llama():
-    return load_model(model_cfg("tiny-llama"))[0]
+    return load_source(model_cfg("tiny-llama"))[0]
 
 
 @pytest.fixture(scope="session")
@@ -45,12 +48,11 @@ def smollm2():
     """The real default model, prepared from its GGUF package on first use."""
     from engine.model.loader import prepare
 
-    cfg = model_cfg("smollm2-135m")
-    cfg.path = str(ROOT / cfg.path)
+    cfg = model_cfg("smollm2-135m", path=str(ROOT / model_cfg("smollm2-135m").path))
     if not (Path(cfg.path) / "config.json").exists():
         prepare(cfg)
     torch.set_num_threads(2)
-    return load_model(cfg)
+    return load_source(cfg)
 
 
 
@@ -59,8 +61,7 @@ def smollm2_tokenizer_dir():
     """The folder with SmolLM2's tokenizer, prepared from its GGUF package on first use."""
     from engine.model.loader import prepare
 
-    cfg = model_cfg("smollm2-135m")
-    cfg.path = str(ROOT / cfg.path)
+    cfg = model_cfg("smollm2-135m", path=str(ROOT / model_cfg("smollm2-135m").path))
     if not (ROOT / "data/models/smollm2-135m/tokenizer.json").exists():
         prepare(cfg)
     return ROOT / "data/models/smollm2-135m"
@@ -68,9 +69,8 @@ def smollm2_tokenizer_dir():
 
 @pytest.fixture(scope="session")
 def chat_model(smollm2_tokenizer_dir):
-    cfg = model_cfg("tiny-chat")
-    cfg.tokenizer = str(smollm2_tokenizer_dir)
-    return load_model(cfg)
+    cfg = model_cfg("tiny-chat", tokenizer=str(smollm2_tokenizer_dir))
+    return load_source(cfg)
 
 @pytest.fixture(params=list(BACKENDS))
 def any_server(chat_model, request):

@@ -11,7 +11,10 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLMEngine
+from engine.factory import build_engine
 from engine.model.loader import eos_ids, pad_id
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec
 from servers.app import create_app
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
@@ -37,12 +40,12 @@ class Server:
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
     def __init__(self, model, tok, policy, api_key=None, max_waiting=64, max_request_tokens=512, max_queue_wait_s=10.0,
-                 kv="slot"):
-        if policy["name"] == "generate":
+                 kv=kv_spec("slot")):
+        if not isinstance(policy, PolicySpec):  # the HF generate backends
             self.worker = GenerateWorker(model, eos_ids(model), max_request_tokens, policy["max_batch"],
                                          policy["max_wait_ms"], max_waiting, pad_id(tok))
         else:
-            self.engine = LLMEngine(model, policy, max_request_tokens, eos_ids(model), kv=kv)
+            self.engine = build_engine(model, policy, max_request_tokens, eos_ids(model), kv=kv)
             self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
         self.port = free_port()
@@ -66,7 +69,7 @@ class Server:
         self.worker.stop()
 
 
-BACKENDS = {"engine": {"name": "continuous", "max_running": 4},
+BACKENDS = {"engine": PolicySpec.of("continuous", 4),
             "naive": {"name": "generate", "max_batch": 1, "max_wait_ms": 0},
             "batcher": {"name": "generate", "max_batch": 4, "max_wait_ms": 20}}
 
@@ -96,7 +99,7 @@ def metric(url: str, name: str, **labels) -> float:
                if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()))
 
 
-ONE_SEAT = {"engine": {"name": "continuous", "max_running": 1},
+ONE_SEAT = {"engine": PolicySpec.of("continuous", 1),
             "batcher": {"name": "generate", "max_batch": 1, "max_wait_ms": 0}}
 
 

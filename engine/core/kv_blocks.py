@@ -74,20 +74,20 @@ class BlockManager:
         self.hit_tokens = 0        # of which found in the prefix cache (K/V not computed again)
 
     @classmethod
-    def sized(cls, kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
+    def sized(cls, kv, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
               window: int | None = None) -> "BlockManager":
-        """The pool a paged conf/kv entry asks for: num_blocks; else memory_mb (MiB) / (block_size x the model's
-        KV bytes per token); else the slot cache's size (num_seats x max_request_tokens) plus the watermark. Admission
-        keeps the watermark fraction of the blocks free, at least one."""
-        bs = int(kv["block_size"])
-        if kv["num_blocks"] is not None:
-            n = int(kv["num_blocks"])
-        elif kv["memory_mb"] is not None:
-            n = int(kv["memory_mb"] * 2**20 // (bs * needs_bytes(kv_bytes_per_token)))
+        """The pool a paged KV record (engine.specs.KVSpec) asks for: num_blocks; else memory_mb (MiB) /
+        (block_size x the model's KV bytes per token); else the slot cache's size (num_seats x max_request_tokens)
+        plus the watermark. Admission keeps the watermark fraction of the blocks free, at least one."""
+        bs = int(kv.block_size)
+        if kv.num_blocks is not None:
+            n = int(kv.num_blocks)
+        elif kv.memory_mb is not None:
+            n = int(kv.memory_mb * 2**20 // (bs * needs_bytes(kv_bytes_per_token)))
         else:  # every running request's worst case, and the watermark on top, so that all of them can be admitted
             n = num_seats * -(-max_request_tokens // bs)
-            n += max(1, int(kv["watermark"] * n)) + (window is not None)
-        return cls(n, bs, max(1, int(kv["watermark"] * n)), bool(kv["prefix_caching"]), window)
+            n += max(1, int(kv.watermark * n)) + (window is not None)
+        return cls(n, bs, max(1, int(kv.watermark * n)), bool(kv.prefix_caching), window)
 
     @property
     def num_free(self) -> int:

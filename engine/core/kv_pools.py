@@ -1,4 +1,4 @@
-"""Paged KV per layer type: a model whose layers' windows differ (Gemma 3: sliding layers and full ones) keeps one
+"""Paged KV per layer type: a model whose layers' windows differ (sliding layers and full ones) keeps one
 BlockManager pool per window, each request a table in each (vLLM's hybrid allocator, llama.cpp's SWA cache); a
 windowed pool holds a sequence's window only (engine/core/kv_blocks.py, `slide`). The memory math of a seat, shared
 with probe_hardware's seats that fit: each layer its window's blocks."""
@@ -31,26 +31,26 @@ class LayerPools:
         self.queried_tokens = self.hit_tokens = 0
 
     @classmethod
-    def sized(cls, kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
+    def sized(cls, kv, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
               layer_windows: list) -> "LayerPools":
-        """The pools a paged conf/kv entry asks for. Seats: num_seats (none given), kv.num_blocks / the blocks of
-        one max_request_tokens sequence, or memory_mb over the bytes a seat keeps (each windowed pool its window's
-        blocks plus one, the full pool the whole sequence). Each pool holds its seats' blocks, a windowed pool also
-        one whole sequence more (a prompt's blocks while it is prefilled), and its watermark."""
-        bs, wm = int(kv["block_size"]), float(kv["watermark"])
+        """The pools a paged KV record (engine.specs.KVSpec) asks for. Seats: num_seats (none given), kv.num_blocks /
+        the blocks of one max_request_tokens sequence, or memory_mb over the bytes a seat keeps (each windowed pool its
+        window's blocks plus one, the full pool the whole sequence). Each pool holds its seats' blocks, a windowed pool
+        also one whole sequence more (a prompt's blocks while it is prefilled), and its watermark."""
+        bs, wm = int(kv.block_size), float(kv.watermark)
         whole = -(-max_request_tokens // bs)
         keep = {w: kept_blocks(w, max_request_tokens, bs) for w in dict.fromkeys(layer_windows)}
         layers = {w: layer_windows.count(w) for w in keep}
         extra = {w: whole - keep[w] for w in keep}  # one prompt prefilled whole
-        if kv["num_blocks"] is not None:
-            seats = int(kv["num_blocks"]) / whole
-        elif kv["memory_mb"] is not None:
+        if kv.num_blocks is not None:
+            seats = int(kv.num_blocks) / whole
+        elif kv.memory_mb is not None:
             block = bs * needs_bytes(kv_bytes_per_token) / len(layer_windows)  # bytes of one layer's block
-            budget = kv["memory_mb"] * 2**20 / block - sum(layers[w] * (extra[w] + (w is not None)) for w in keep)
+            budget = kv.memory_mb * 2**20 / block - sum(layers[w] * (extra[w] + (w is not None)) for w in keep)
             seats = budget / sum(layers[w] * keep[w] for w in keep)
             if seats < 1:
                 need = sum(layers[w] * (keep[w] + extra[w] + (w is not None)) for w in keep)  # layer blocks
-                raise ValueError(f"kv.memory_mb = {kv['memory_mb']} MiB holds no request of {max_request_tokens} "
+                raise ValueError(f"kv.memory_mb = {kv.memory_mb} MiB holds no request of {max_request_tokens} "
                                  f"tokens (a seat per window, and one whole prompt in each windowed pool): give at "
                                  f"least {int(need * block / 2**20) + 1} MiB or a smaller max_request_tokens")
         else:
@@ -58,8 +58,8 @@ class LayerPools:
         pools = {}
         for w in keep:
             n = int(seats * keep[w]) + extra[w]
-            n += (kv["memory_mb"] is None and kv["num_blocks"] is None) * max(1, int(wm * n)) + (w is not None)
-            pools[w] = BlockManager(n, bs, max(1, int(wm * n)), bool(kv["prefix_caching"]), w)
+            n += (kv.memory_mb is None and kv.num_blocks is None) * max(1, int(wm * n)) + (w is not None)
+            pools[w] = BlockManager(n, bs, max(1, int(wm * n)), bool(kv.prefix_caching), w)
         return cls(pools, layer_windows)
 
     def _weighted(self, count) -> int:
@@ -139,9 +139,9 @@ class LayerPools:
         assert len({frozenset(p._tables) for p in self.pools.values()}) == 1, "every pool holds the same requests"
 
 
-def make_pools(kv: dict, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
+def make_pools(kv, num_seats: int, max_request_tokens: int, kv_bytes_per_token: int | None,
                layer_windows: list | None = None) -> BlockManager | LayerPools:
-    """The paged KV a conf/kv entry asks for, for a model whose layers attend `layer_windows` (None: a model-free
+    """The paged KV a KV record asks for, for a model whose layers attend `layer_windows` (None: a model-free
     simulation, every layer full): one pool where every layer shares a window (or none), else LayerPools."""
     windows = list(dict.fromkeys(layer_windows or [None]))
     if len(windows) == 1:

@@ -99,7 +99,7 @@ class SchedulerOutput:
         return "mixed" if prompt and decode else ("prefill" if prompt else "decode")
 
     def features(self) -> dict[str, int]:
-        """The step's cost features (engine.simulator.FEATURES): what the step computes. multi_row: more than one
+        """The step's cost features (engine.core.simulator.FEATURES): what the step computes. multi_row: more than one
         row through the layers (matrix-matrix products, a different kernel from one row's)."""
         return {"num_prompt_tokens": self.num_prompt_tokens, "num_decode_rows": self.num_decode_rows,
                 "num_sampled_rows": self.num_sampled_rows, "decode_attention": self.decode_attention,

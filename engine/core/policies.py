@@ -1,4 +1,4 @@
-"""The batching policies, one class each; `make_scheduler` builds one from a conf/policy entry.
+"""The batching policies, one class each; `make_scheduler` builds one from a policy record.
 
 Request-level (a batch runs until its longest member ends; finished rows stay as zombies; slot KV only):
   static, dynamic, bucketed.  Iteration-level (places refilled every step; slot or paged KV): naive, continuous,
@@ -147,10 +147,6 @@ POLICIES = {"naive": Naive, "static": Static, "dynamic": Dynamic, "bucketed": Bu
             "continuous": Continuous, "mixed": Mixed, "chunked": Chunked}
 
 
-def make_scheduler(policy: dict, max_request_tokens: int, eos_ids=()) -> Scheduler:
-    """The scheduler for a whole conf/policy entry: {name, max_running, ...every knob} (engine.config.policy_config
-    fills in the defaults and refuses unknown knobs)."""
-    if policy.get("name") not in POLICIES:
-        raise ValueError(f"policy {policy.get('name')!r}: choose one of {sorted(POLICIES)}")
-    knobs = {k: v for k, v in policy.items() if k not in ("name", "max_running")}
-    return POLICIES[policy["name"]](int(policy["max_running"]), max_request_tokens, eos_ids, **knobs)
+def make_scheduler(policy, max_request_tokens: int, eos_ids=()) -> Scheduler:
+    """The scheduler for a policy record (engine.specs.PolicySpec: name, max_running, every knob, checked)."""
+    return POLICIES[policy.name](policy.max_running, max_request_tokens, eos_ids, **policy.knobs)

@@ -2,10 +2,10 @@
 (engine/core/policies.py); the bookkeeping they share (queue, admission, appending tokens, finishing) lives here.
 
 On the slot cache each running request holds a seat (a row of the cache). On a paged cache (`use_blocks`) its K/V
-live in blocks of an engine.blocks.BlockManager (LayerPools where layers' windows differ): admission needs blocks
-for the whole sequence (less its prefix-cache hits), and after every step each running request releases the blocks
-its windows have left and gets the block its next token lands in; when none is free the newest running request is
-preempted (its blocks freed; back to the front of the queue with its output, prefilled again on readmission).
+live in blocks of an engine.core.kv_blocks.BlockManager (LayerPools where layers' windows differ): admission needs
+blocks for the whole sequence (less its prefix-cache hits), and after every step each running request releases the
+blocks its windows have left and gets the block its next token lands in; when none is free the newest running
+request is preempted (its blocks freed; back to the front of the queue with its output, prefilled again on readmission).
 """
 import heapq
 from abc import ABC, abstractmethod

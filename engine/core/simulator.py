@@ -55,7 +55,7 @@ class VirtualClock:
 
 class SimRunner:
     """Same interface as ModelRunner: run(plan) -> RunnerOutput; costs virtual time, computes nothing.
-    A paged KV pool is the scheduler's (engine.blocks, model-free), so block budgets simulate as they run;
+    A paged KV pool is the scheduler's (engine.core.kv_blocks, model-free), so block budgets simulate as they run;
     kv_bytes_per_token sizes a pool given in MiB (kv.memory_mb), else give kv.num_blocks."""
 
     def __init__(self, cost: CostModel, clock: VirtualClock, vocab_size: int = 2**31 - 1,

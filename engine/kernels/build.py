@@ -14,21 +14,21 @@ from pathlib import Path
 
 import torch
 
-from engine import machine
+from engine import hardware
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
-SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "q4_1.cpp", "q8_0.cpp", "q4_k.cpp",
-                              "q5_0.cpp", "q6_k.cpp", "bf16.cpp", "layer.cpp")]  # compiled in parallel
+SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "token_attention.cpp", "q4_1.cpp",
+                              "q8_0.cpp", "q4_k.cpp", "q5_0.cpp", "q6_k.cpp", "bf16.cpp", "layer.cpp")]  # in parallel
 AVX512 = ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
-BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (quant.h) where the CPU has VNNI
+BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (gguf_kernels.h) where the CPU has VNNI
           "AVX512": AVX512, "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
           "scalar": []}  # instruction-set build -> its compiler flags, best first (F16C: with every AVX2 CPU)
 BUILD_VAR = "LAB_KERNELS_BUILD"  # environment variable: one of BUILDS to build and load instead of the best
 PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles",
             "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm", "q4_k", "q5_0", "q6_k", "q4_k_tiles", "q5_0_tiles",
             "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments")  # lab.layers' kinds (products.h), in order
-GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of quant.h (ops.h's LAB_GGUF)
+GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of gguf_blocks.h (ops.h's LAB_GGUF)
 error: str | None = None  # why the kernels are not there, once tried
 _loaded = False
 
@@ -36,7 +36,7 @@ _loaded = False
 def builds() -> list[str]:
     """The builds of BUILDS this CPU runs under torch's CPU capability, best first."""
     capability = torch.backends.cpu.get_cpu_capability()
-    best = {"AVX512": 0 if machine.cpu_info()[1]["avx512_vnni"] else 1, "AVX2": 2}.get(capability, 3)
+    best = {"AVX512": 0 if hardware.cpu_info()[1]["avx512_vnni"] else 1, "AVX2": 2}.get(capability, 3)
     return list(BUILDS)[best:]
 
 
@@ -64,7 +64,7 @@ def _build(flags: list[str] | None = None) -> Path:
     flags = _flags() if flags is None else flags
     code = b"".join(p.read_bytes() for p in sorted(HERE.iterdir()) if p.is_file())  # sources and headers
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
-    lib = machine.cache_dir() / "native" / f"lab_{key[:16]}.so"
+    lib = hardware.cache_dir() / "native" / f"lab_{key[:16]}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -123,9 +123,11 @@ def ops():
 def capabilities() -> dict | None:
     """What the loaded build runs: {"isa": AVX512, AVX2 or scalar, "q4_1_vnni": Q4_1's integer products run here,
     "bf16_dot": the bf16 pairs multiply by vdpbf16ps here (else widened, FMA), "products": lab.layers' product kinds
-    in enum order}; None unbuilt."""
+    in enum order, "layer_weights": the names of one layer's weights lab.layers takes, in order (csrc/layer_weights.h)};
+    None unbuilt."""
     lab = ops()
     if lab is None:
         return None
-    isa, vnni, bf16, products = lab.capabilities()
-    return {"isa": isa, "q4_1_vnni": vnni, "bf16_dot": bf16, "products": list(products)}
+    isa, vnni, bf16, products, layer_weights = lab.capabilities()
+    return {"isa": isa, "q4_1_vnni": vnni, "bf16_dot": bf16, "products": list(products),
+            "layer_weights": list(layer_weights)}

@@ -1,21 +1,19 @@
 """Which product each weight shape uses at each row count: the fastest candidate measured on this machine, cached
 per machine (CPU model and instruction sets, GPU, threads, torch, dtype, shape) so it is paid once.
 
-Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs,
-`packed` and `onednn` (MKL's and oneDNN's products on a weight laid out once in their own layouts: aten.py). A step
-of r rows uses the choice of the smallest bucket >= r (the last beyond it). Each candidate is timed over every
-matrix of the shape (all layers), as a step streams them from memory (past STREAMED rows, where a product is
-compute-bound, over a share of them, the time scaled), the fastest of REPEATS run back to back after one untimed run
-(a run can only be slowed; and the candidate before can slow the next one's first run several times: GGUF's
-whole-matrix GEMM frees hundreds of MB); measured again, a choice changes only for a candidate faster by more than
-MARGIN. Shapes whose matrices together fit in a CPU's caches are not measured (their timings are noise) and keep
-`default`, as do devices without a clock (`meta`).
-The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and
-`product(candidate, x)` (engine/model/linear.py's Dense); a storage with kernels of its own names its `family` and
-`candidates` (GgufDense: the per-row block kernel, the dequantized tiles' and the GEMM's) and is measured whatever its
-size, grouped with its own family only (engine/model/weights.py's choose_kernels).
-The cache: $LAB_CACHE_DIR/kernels.json (default ~/.cache/llm-batching-lab); delete it to measure again.
-"""
+Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs, `packed`
+and `onednn` (MKL's and oneDNN's products on a weight laid out once in their own layouts: aten.py). A step of r rows
+uses the choice of the smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape
+(all layers), as a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a share of
+them, the time scaled), the fastest of REPEATS run back to back after one untimed run (a run can only be slowed; and the
+candidate before can slow the next one's first run several times: GGUF's whole-matrix GEMM frees hundreds of MB);
+measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices together fit in
+a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices without a clock (`meta`).
+The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and `product(candidate,
+x)` (engine/model/layers/linear.py's Dense); a storage with kernels of its own names its `family` and `candidates`
+(GgufDense: the per-row block kernel, the dequantized tiles' and the GEMM's) and is measured whatever its size, grouped
+with its own family only (engine/model/weights.py's choose_kernels). The cache: $LAB_CACHE_DIR/kernels.json (default
+~/.cache/llm-batching-lab); delete it to measure again."""
 import hashlib
 import json
 import os
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine import machine
+from engine import hardware
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # rows a candidate is measured at (256: chunked prefills, 1024: whole prompts)
 STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
@@ -36,7 +34,7 @@ OPAQUE = ("packed", "onednn")  # candidates whose layout the weight's values can
 
 
 def cache_path() -> Path:
-    return machine.cache_dir() / "kernels.json"
+    return hardware.cache_dir() / "kernels.json"
 
 
 def has_packed(device: torch.device, dtype: torch.dtype) -> bool:
@@ -73,7 +71,7 @@ ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
     """The CPU and what its kernels may use (its flags, torch's CPU capability and any ISA limit set in the
     environment: the same CPU limited to AVX2 chooses anew), GPU, threads, torch and dtype."""
-    cpu, flags = machine.cpu_info()
+    cpu, flags = hardware.cpu_info()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     isa = [torch.backends.cpu.get_cpu_capability(), *(os.environ.get(v) for v in ISA_LIMITS)]
     fields = [cpu, sorted(k for k, v in flags.items() if v), isa, gpu, torch.get_num_threads(), torch.__version__,

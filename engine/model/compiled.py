@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from engine import machine
+from engine import hardware
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ def keep_inductor_cache() -> None:
     from torch._inductor.utils import clear_caches
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(machine.cache_dir() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(hardware.cache_dir() / "inductor")
         clear_caches()  # paths Inductor derived from the old place
 
 

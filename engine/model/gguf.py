@@ -1,13 +1,13 @@
-"""A GGUF file's linear weights read as stored (engine/model/linear.py's GgufDense multiplies them): rows in Hugging
-Face's order (a llama-family file's q and k rows un-permuted as transformers' GGUF loader does; Gemma 3's are stored
-in that order already), q/k/v and gate/up concatenated as the engine's layers hold them (engine/model/weights.py),
-parts of different block formats side by side (GgufDense multiplies each in its own)."""
+"""A GGUF file's linear weights read as stored (engine/model/layers/linear.py's GgufDense multiplies them): rows
+in Hugging Face's order (q and k rows un-permuted as transformers' GGUF loader does, where the architecture stores
+them permuted: engine/model/support.py's gguf_permuted), q/k/v and gate/up concatenated as the engine's layers hold
+them (engine/model/weights.py), parts of different block formats side by side (GgufDense multiplies each in its
+own)."""
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 Q = GGMLQuantizationType
 GGUF_KINDS = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0", Q.Q4_K: "q4_k", Q.Q5_0: "q5_0", Q.Q6_K: "q6_k"}  # the formats read
-UNPERMUTED = ("gemma3", "gemma3_text")  # model types whose q/k rows llama.cpp stores in Hugging Face's order
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -16,12 +16,11 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def gguf_layers(path, config) -> tuple[dict, list[dict]]:
+def gguf_layers(path, config, permuted: bool = True) -> tuple[dict, list[dict]]:
     """({"embed": (blocks, fmt, in)}, per layer {"qkv"|"o"|"gate_up"|"down": (blocks [out, bytes], fmt, in)}) from a
     GGUF file, rows in Hugging Face's order; a concatenated product whose parts differ in format is (the parts'
     blocks, their formats, in) as tuples. Fails naming any tensor stored in a format it does not read."""
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    permuted = getattr(config, "model_type", None) not in UNPERMUTED
 
     def read(name: str, heads: int | None = None):
         if name not in tensors:

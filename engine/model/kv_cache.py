@@ -3,7 +3,7 @@
 SlotCache: one preallocated seat (a row of positions) per running request, written in place; `view` the first
   seats, `gather` any seats.
 CatCache: the growing cache of a naive engine, extended with torch.cat whenever a step needs more length.
-PagedCache: a fixed pool of blocks shared by all requests (engine.blocks hands them out); `gather` reads each
+PagedCache: a fixed pool of blocks shared by all requests (engine.core.kv_blocks hands them out); `gather` reads each
   sequence's keys through its block table. Where layers' windows differ (LayerPools), each layer's blocks are its
   window's pool's: a windowed layer holds fewer.
 """
@@ -117,7 +117,7 @@ class PagedCache(SlotCache):
 
 def make_cache(name: str, net, num_seats: int, max_request_tokens: int, blocks=None):
     """The KV cache a conf/kv name asks for, for a FlatModel: `num_seats` seats of max_request_tokens positions
-    (slot; cat's rows grow up to that length), or the pool of an engine.blocks.BlockManager (paged)."""
+    (slot; cat's rows grow up to that length), or the pool of an engine.core.kv_blocks.BlockManager (paged)."""
     shape = (net.num_kv_heads, net.head_dim, net.kv_dtype, net.device)
     if name == "paged":
         per_layer = blocks.layer_blocks() if hasattr(blocks, "layer_blocks") else blocks.num_blocks

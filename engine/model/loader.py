@@ -7,7 +7,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 ASSEMBLED = Path(__file__).resolve().parents[2] / "data" / "models"  # GGUF files reassembled from chunk packages
@@ -42,11 +41,10 @@ def random_model(config: dict, seed: int, dtype: torch.dtype = torch.float32, de
 
 
 def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
-    """Return (model, tokenizer or None) for a conf/model entry."""
+    """Return (model, tokenizer or None) for a model record (engine.specs.ModelSpec)."""
     torch_dtype = DTYPES[dtype]
     if model_cfg.source == "random":
-        config = OmegaConf.to_container(model_cfg.config, resolve=True)  # plain lists and dicts for HF's checks
-        return random_model(config, int(model_cfg.seed), torch_dtype, device), load_tokenizer(model_cfg)
+        return random_model(dict(model_cfg.config), int(model_cfg.seed), torch_dtype, device), load_tokenizer(model_cfg)
     path = Path(model_cfg.path)
     if model_cfg.source == "gguf" and not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` "
@@ -56,9 +54,9 @@ def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
 
 
 def load_tokenizer(model_cfg):
-    """The tokenizer a conf/model entry names, or None (random-weight models without one)."""
+    """The tokenizer a model record names, or None (random-weight models without one)."""
     if model_cfg.source == "random":
-        return AutoTokenizer.from_pretrained(model_cfg.tokenizer) if model_cfg.get("tokenizer") else None
+        return AutoTokenizer.from_pretrained(model_cfg.tokenizer) if model_cfg.tokenizer else None
     return AutoTokenizer.from_pretrained(str(model_cfg.path))
 
 
@@ -105,7 +103,7 @@ def assembled(package: str, out: Path) -> Path:
 
 def prepare(model_cfg) -> Path | None:
     """A GGUF model's fp32 safetensors folder (model_cfg.path), written whole or not at all; None for other sources.
-    What the file lacks, the conf/model entry may give: `chat_template` (Jinja) and `eos_token_id` (generation's
+    What the file lacks, the model record may give: `chat_template` (Jinja) and `eos_token_id` (generation's
     end-of-sequence ids)."""
     if model_cfg.source != "gguf":
         return None
@@ -114,10 +112,10 @@ def prepare(model_cfg) -> Path | None:
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
     model.hf_quantizer = None  # the weights are dequantized to plain fp32: save them as such
-    if model_cfg.get("chat_template") and not tokenizer.chat_template:
+    if model_cfg.chat_template and not tokenizer.chat_template:
         tokenizer.chat_template = model_cfg.chat_template
-    if (eos := model_cfg.get("eos_token_id")) is not None:
-        model.generation_config.eos_token_id = list(eos) if OmegaConf.is_list(eos) else int(eos)
+    if (eos := model_cfg.eos_token_id) is not None:
+        model.generation_config.eos_token_id = list(eos) if isinstance(eos, tuple) else int(eos)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)

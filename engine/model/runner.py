@@ -1,7 +1,7 @@
 """The model runner: one forward pass per SchedulerOutput, one sampled token per chunk that samples.
 
 It never branches on the policy: a decode, a whole prompt and a prompt chunk are chunks of different lengths. It
-picks the step's attention path (engine/model/attention.py) from the step's shape (one per window where layers'
+picks the step's attention path (engine/model/layers/attention.py) from the step's shape (one per window where layers'
 windows differ); only plain values go back. Each step first lets the thread governor (engine/threads.py) follow the
 free cores; decode-only steps may run compiled, and with `graphs` padded to few shapes (`_bucketed`).
 """
@@ -11,7 +11,8 @@ import torch
 
 from engine import threads
 from engine.core.outputs import RunnerOutput, SchedulerOutput
-from engine.model.attention import (
+from engine.model.device import to_device
+from engine.model.layers.attention import (
     ByLayer,
     DecodePart,
     DenseDecode,
@@ -22,7 +23,6 @@ from engine.model.attention import (
     StepInputs,
     window_start,
 )
-from engine.model.device import to_device
 from engine.model.sampler import Sampler, token_logprobs
 
 

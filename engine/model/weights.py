@@ -1,11 +1,10 @@
 """The engine's layers built from a Hugging Face model: each decoder layer's norms and four products
-(engine/model/linear.py), q/k/v and gate/up concatenated into one matrix each, in the storage a precision level asks
-for (`weights`): "model" as the Hugging Face model holds them, "bf16", or "gguf" (the blocks of the model's GGUF file
-as stored, engine/model/gguf.py). The attention scale is folded into the q rows when that is exact in any dtype (a
+(engine/model/layers/linear.py), q/k/v and gate/up concatenated into one matrix each, in the storage a precision level
+asks for (`weights`): "model" as the Hugging Face model holds them, "bf16", or "gguf" (the blocks of the model's GGUF
+file as stored, engine/model/gguf.py). The attention scale is folded into the q rows when that is exact in any dtype (a
 power of two, as for head_dim 64 or 16); otherwise (head_dim 128: 2^-3.5) the attention applies it, as Hugging Face
-does.
-With `take` the Hugging Face model gives up each layer's weights as soon as the engine holds them (the weights then
-exist once) and cannot run afterwards."""
+does. With `take` the Hugging Face model gives up each layer's weights as soon as the engine holds them (the weights
+then exist once) and cannot run afterwards."""
 import math
 from dataclasses import dataclass
 
@@ -13,10 +12,11 @@ import torch
 
 from engine.kernels import choice
 from engine.model.gguf import gguf_layers
-from engine.model.linear import Bf16Dense, Dense, GgufDense
-from engine.model.support import GEMMA
+from engine.model.layers.linear import Bf16Dense, Dense, GgufDense
 
-WEIGHTS = ("model", "bf16", "gguf")  # how the engine stores the weights (conf/precision: `weights`)
+PRODUCTS = ("qkv", "o", "gate_up", "down")  # a layer's products, in the order lab.layers runs them
+LAYER_WEIGHTS = ("input_norm", "post_norm", *(f"{p}.{part}" for p in PRODUCTS for part in ("weight", "aux", "bias")))
+# ^ the tensors a layer passes to lab.layers, in its order (engine/kernels/csrc/layer.cpp; capabilities() names them)
 
 
 @dataclass
@@ -24,16 +24,27 @@ class Layer:
     input_norm: torch.Tensor           # [hidden] RMS norm weight before the attention
     qkv: object                        # q, k and v projections side by side (a linear.py storage)
     o: object                          # the attention's output projection
-    post_norm: torch.Tensor            # [hidden] RMS norm weight before the MLP (Gemma 3: pre_feedforward_layernorm)
+    post_norm: torch.Tensor            # [hidden] RMS norm weight before the MLP
     gate_up: object                    # gate and up projections side by side
     down: object                       # the MLP's down projection
-    attn_out_norm: torch.Tensor | None = None  # Gemma 3: [hidden] norm of the attention's output, before the residual
-    mlp_out_norm: torch.Tensor | None = None   # Gemma 3: [hidden] norm of the MLP's output, before the residual
-    qk_norm: torch.Tensor | None = None        # Gemma 3: [q heads + kv heads, head_dim] each head's norm weight
+    attn_out_norm: torch.Tensor | None = None  # or [hidden]: the attention's output normed before the residual
+    mlp_out_norm: torch.Tensor | None = None   # or [hidden]: the MLP's output normed before the residual
+    qk_norm: torch.Tensor | None = None        # or [q heads + kv heads, head_dim]: each head's norm weight
 
     @property
     def products(self) -> tuple:
-        return self.qkv, self.o, self.gate_up, self.down
+        return tuple(getattr(self, p) for p in PRODUCTS)
+
+    def lab_args(self, bucket: int) -> tuple[list, list] | None:
+        """(this layer's LAYER_WEIGHTS, its product kinds) for lab.layers at a row bucket; None where a product is
+        one lab.layers does not call."""
+        parts = dict(zip(PRODUCTS, (d.lab_args(bucket) for d in self.products)))
+        if None in parts.values():
+            return None
+        named = {"input_norm": self.input_norm, "post_norm": self.post_norm}
+        for p, (kind, *tensors) in parts.items():
+            named.update(zip((f"{p}.weight", f"{p}.aux", f"{p}.bias"), tensors))
+        return [named[w] for w in LAYER_WEIGHTS], [parts[p][0] for p in PRODUCTS]
 
     @property
     def norms(self) -> list[torch.Tensor]:
@@ -44,7 +55,7 @@ class Layer:
 def scales(scale: float, weights: str, foldable: bool = True) -> tuple[float, float]:
     """(factor folded into the q rows, factor the attention still applies) for an attention scale: it goes into the q
     rows when it is a power of two (scaling the weights is then exact), the weights are values (not GGUF blocks) and
-    nothing between the product and the attention would undo it (`foldable`; Gemma 3's q norm would)."""
+    nothing between the product and the attention would undo it (`foldable`; a norm on the q heads would)."""
     if foldable and weights != "gguf" and math.log2(scale).is_integer():
         return scale, 1.0
     return 1.0, scale
@@ -80,17 +91,19 @@ def _taken(*args, **kwargs):
                        "load it again to run it")
 
 
+def head_norms(q_norm: torch.Tensor, k_norm: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """[heads + kv_heads, head_dim]: the q heads' norm weight, then the kv heads' (Layer.qk_norm)."""
+    return torch.cat([q_norm.expand(heads, -1), k_norm.expand(kv_heads, -1)])
+
+
 @torch.no_grad()
-def build_layers(hf_model, weights: str, dtype: torch.dtype, ops, q_scale: float, gguf=None,
-                 take: bool = False) -> tuple[object, list[Layer]]:
-    """(LM head, layers) in the storage `weights`; norms in `dtype` (the activations'; Gemma 3's as 1 + w in fp32,
-    as its norm computes them); ops: the native kernels (engine/kernels/build.py) or None; q_scale: the factor
-    folded into the q rows (`scales`); gguf: the GGUF file's path (weights "gguf": the head is the tied embedding's
-    blocks)."""
-    m, cfg = hf_model.model, hf_model.config
-    gemma = cfg.model_type in GEMMA
-    blocks = gguf_layers(gguf, hf_model.config) if weights == "gguf" else None
-    make = {"model": Dense, "bf16": lambda w, b=None: Bf16Dense(w, b, ops)}.get(weights)
+def build_layers(net, hf_model, q_scale: float, gguf=None, take: bool = False) -> tuple[object, list[Layer]]:
+    """(LM head, layers) of a Hugging Face model in the storage `net.weights`, norms as `net.layer_norms` gives them
+    (its architecture's); net.ops: the native kernels (engine/kernels/build.py) or None; q_scale: the factor folded
+    into the q rows (`scales`); gguf: the GGUF file's path (weights "gguf": the head is the tied embedding's blocks)."""
+    m, ops = hf_model.model, net.ops
+    blocks = gguf_layers(gguf, hf_model.config, net.gguf_permuted) if net.weights == "gguf" else None
+    make = {"model": Dense, "bf16": lambda w, b=None: Bf16Dense(w, b, ops)}.get(net.weights)
     lm_head = make(hf_model.lm_head.weight) if make else GgufDense(*blocks[0]["embed"], ops)
     if take and hf_model.lm_head.weight is not m.embed_tokens.weight:
         _release([hf_model.lm_head])
@@ -106,25 +119,12 @@ def build_layers(hf_model, weights: str, dtype: torch.dtype, ops, q_scale: float
                 ("qkv", [a.q_proj, a.k_proj, a.v_proj]), ("o", [a.o_proj]),
                 ("gate_up", [mlp.gate_proj, mlp.up_proj]), ("down", [mlp.down_proj])))
         qkv, o, gate_up, down = products
-        norms = [norm_weight(n, dtype, gemma) for n in (
-            (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
-             layer.post_feedforward_layernorm, a.q_norm, a.k_norm) if gemma
-            else (layer.input_layernorm, layer.post_attention_layernorm))]
-        if gemma:  # the q heads' norm weight, then the kv heads'
-            norms[4:] = [torch.cat([norms[4].expand(cfg.num_attention_heads, -1),
-                                    norms[5].expand(cfg.num_key_value_heads, -1)])]
-        layers.append(Layer(norms[0], qkv, o, norms[1], gate_up, down, *norms[2:]))
+        layers.append(Layer(qkv=qkv, o=o, gate_up=gate_up, down=down, **net.layer_norms(layer)))
         if take:
             _release([a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj])
     if take:
         hf_model.forward = _taken
     return lm_head, layers
-
-
-def norm_weight(norm, dtype: torch.dtype, gemma: bool) -> torch.Tensor:
-    """An RMS norm's weight as the engine multiplies by it: Gemma 3's 1 + w in fp32 (its norm's order: w widened,
-    then 1 added), others' w in the activations' dtype."""
-    return 1.0 + norm.weight.float() if gemma else norm.weight.to(dtype)
 
 
 def choose_kernels(products: list, kernel: str | None, remeasure: bool, device: torch.device,

@@ -17,12 +17,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.config import ROOT, compose_config, load_configured_model
+from engine import SamplingParams
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
-from engine.model.forward import FlatModel
+from engine.factory import build_engine, build_net
 from engine.model.kv_cache import make_cache
 from engine.model.runner import ModelRunner
+from engine.specs import PolicySpec
+from pipeline.config import ROOT, compose_config, load_source
 from pipeline.measuring.equivalence import first_divergence
 from pipeline.workloads.prompts import CHAT, chat_ids, document_ids, long_prompts, short_prompts
 
@@ -35,8 +36,8 @@ def reference(cfg) -> tuple:
     """(the fp32 config, Hugging Face model and tokenizer, the fp32 engine) of cfg's model: what levels are judged
     against and what continues the stream."""
     base = compose_config([f"model={cfg.model.name}", "precision=fp32", f"threads={cfg.threads}"])
-    model, tok = load_configured_model(base)
-    return base, model, tok, FlatModel(model)
+    model, tok = load_source(base)
+    return base, model, tok, build_net(model)
 
 
 def stream_prompts(n: int, length: int, tokenizer, vocab_size: int, seed: int) -> list[list[int]]:
@@ -58,7 +59,7 @@ def token_stream(net, tokenizer, vocab_size: int, sequences: int, length: int, s
     """`sequences` token sequences of `length`: stream_prompts, each continued greedily by the engine `net` (fp32)
     to `length` tokens; EOS neither stops nor is masked."""
     prompts = stream_prompts(sequences, length, tokenizer, vocab_size, seed)
-    eng = LLMEngine(net, {"name": "continuous", "max_running": sequences}, length + 1, eos_ids=[])
+    eng = build_engine(net, PolicySpec("continuous", sequences), length + 1, eos_ids=[])
     outs = eng.generate(prompts, [SamplingParams(max_new_tokens=length - len(p), ignore_eos=True) for p in prompts])
     return [p + o for p, o in zip(prompts, outs)]
 
@@ -156,7 +157,7 @@ def teacher_forced(ref_net, nets: dict, seqs: list[list[int]], batch: int, near_
 
 def greedy(net, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy continuation by the engine, all at once; EOS neither stops nor is masked (no EOS ids)."""
-    eng = LLMEngine(net, {"name": "continuous", "max_running": len(prompts)}, max(map(len, prompts)) + new_tokens)
+    eng = build_engine(net, PolicySpec("continuous", len(prompts)), max(map(len, prompts)) + new_tokens)
     return eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
 
 

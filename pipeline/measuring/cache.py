@@ -7,14 +7,17 @@ import time
 
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.machine import synchronize
+from engine import SamplingParams
+from engine.factory import build_engine
+from engine.hardware import synchronize
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec
 
 BATCH, CONTEXTS, STEPS = 16, [32, 128, 248], 5
 
 
 def measure(net, cache: str, context: int) -> dict:
-    eng = LLMEngine(net, {"name": "continuous", "max_running": BATCH}, context + STEPS + 2, kv=cache)
+    eng = build_engine(net, PolicySpec("continuous", BATCH), context + STEPS + 2, kv=kv_spec(cache))
     p = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
     for i in range(BATCH):
         eng.add_request(str(i), [3 + (i * 7 + j) % 200 for j in range(context)], p)

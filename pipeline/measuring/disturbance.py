@@ -1,13 +1,13 @@
 """What the machine did while a run was timed, and whether that disturbed it. The machine's busy and steal time
 come from /proc/stat, the run's own CPU from its process (and any server processes it drives); other work is
-engine.machine.other_cpu_share (other processes and steal). A run is disturbed when other work took more CPU than
+engine.usage.other_cpu_share (other processes and steal). A run is disturbed when other work took more CPU than
 `measure.other_cpu_max` or steal alone more than `measure.steal_max` (conf/config.yaml). A disturbed run is measured
 again up to `measure.tries` times, then kept and labelled."""
 import os
 import sys
 from dataclasses import asdict, dataclass
 
-from engine.machine import cpu_times, other_cpu_share
+from engine.usage import cpu_times, other_cpu_share
 
 
 class ImpossibleFigure(ValueError):

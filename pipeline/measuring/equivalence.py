@@ -1,36 +1,37 @@
 """Seed 000's equivalence scenario: six requests, at most three running, staggered arrivals, one step per virtual
-second; the reference is Hugging Face generate on each request alone (engine.hf)."""
+second; the reference is Hugging Face generate on each request alone (engine.model.hf)."""
 import math
 
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.model.forward import FlatModel
+from engine import SamplingParams
+from engine.factory import AS_LOADED, build_engine, build_net
 from engine.model.hf import generate_alone
 from engine.model.loader import eos_ids
+from engine.specs import PolicySpec
 from pipeline.workloads.prompts import CHAT, chat_ids
 
 ARRIVE = {0: [0, 1], 3: [2], 4: [3, 4], 20: [5]}
 LENS = [12, 30, 5, 40, 30, 12]
-POLICIES = [
-    {"name": "naive", "max_running": 3},
-    {"name": "static", "max_running": 3, "max_batch": 3},
-    {"name": "dynamic", "max_running": 3, "max_batch": 3, "max_wait_ms": 1500},
-    {"name": "bucketed", "max_running": 3, "max_batch": 3, "max_wait_ms": 1500},
-    {"name": "continuous", "max_running": 3},
-    {"name": "mixed", "max_running": 3},
-    {"name": "chunked", "max_running": 3, "token_budget": 16},
+POLICIES = [  # every policy, 3 running at once
+    PolicySpec.of("naive", 3),
+    PolicySpec.of("static", 3, max_batch=3),
+    PolicySpec.of("dynamic", 3, max_batch=3, max_wait_ms=1500),
+    PolicySpec.of("bucketed", 3, max_batch=3, max_wait_ms=1500),
+    PolicySpec.of("continuous", 3),
+    PolicySpec.of("mixed", 3),
+    PolicySpec.of("chunked", 3, token_budget=16),
 ]
 
 
-def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]], max_request_tokens: int = 256,
+def run_scenario(model, policy: PolicySpec, prompts, lens, arrive: dict[int, list[int]], max_request_tokens: int = 256,
                  runner=None, max_steps: int = 5000, compile: bool = False,
                  graphs: bool = False) -> dict[str, list[int]]:
     """Arrivals at given steps on a virtual clock of 1 s per step; returns rid -> output tokens. model: a FlatModel
     or a Hugging Face model; runner: a ready runner to use instead (a broken one shows the check fails)."""
     clock = [0.0]
-    eng = LLMEngine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], compile=compile,
-                    graphs=graphs, runner=runner)
+    eng = build_engine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0],
+                       compile=compile, graphs=graphs, runner=runner)
     reqs, step = {}, 0
     while step < max_steps and (step <= max(arrive) or eng.has_work()):
         for i in arrive.get(step, []):
@@ -38,7 +39,7 @@ def run_scenario(model, policy: dict, prompts, lens, arrive: dict[int, list[int]
         eng.step()
         clock[0] += 1.0
         step += 1
-    assert not eng.has_work(), f"{policy['name']} did not finish in {max_steps} steps"
+    assert not eng.has_work(), f"{policy.name} did not finish in {max_steps} steps"
     return {rid: r.output for rid, r in reqs.items()}
 
 
@@ -71,19 +72,20 @@ def divergence_gap(model, prompt: list[int], expected: list[int], got: list[int]
     return logits.max().item() - logits[got[k]].item()
 
 
-def check(model, tokenizer, weights: dict, tie: float | None = None) -> dict[str, int]:
-    """Policy -> how many of the scenario's requests the engine (storage `weights`, engine.config.engine_weights)
+def check(model, tokenizer, precision=None, gguf=None, tie: float | None = None) -> dict[str, int]:
+    """Policy -> how many of the scenario's requests the engine (at `precision`, engine.specs.PrecisionSpec; None: the
+    model as loaded; `gguf`: the file of a level that reads one)
     answers as generate does: token for token (tie None), or up to a first divergence at a near-tie, where the
     reference's best logit beats the engine's choice by at most `tie` (bench.precision.near_tie)."""
     prompts = scenario_prompts(model, tokenizer)
     ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
-    net, matches = FlatModel(model, **weights), {}
+    net, matches = build_net(model, precision or AS_LOADED, gguf), {}
     for policy in POLICIES:
         out = run_scenario(net, policy, prompts, LENS, ARRIVE)
         ok = 0
         for i, expected in enumerate(ref):
             gap = divergence_gap(model, prompts[i], expected, out[str(i)]) if tie is not None else None
             ok += out[str(i)] == expected or (gap is not None and gap <= tie)
-        matches[policy["name"]] = ok
-        print(f"{policy['name']}: {ok}/{len(ref)} requests as generate answers them", flush=True)
+        matches[policy.name] = ok
+        print(f"{policy.name}: {ok}/{len(ref)} requests as generate answers them", flush=True)
     return matches

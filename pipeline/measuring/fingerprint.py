@@ -9,9 +9,9 @@ import platform
 import torch
 import transformers
 
-from engine import isa
+from engine.hardware import MODEL_PACKAGES, cpu_info, memory_gib, package_version
 from engine.kernels import build
-from engine.machine import MODEL_PACKAGES, cpu_info, memory_gib, package_version
+from pipeline import isa
 
 
 def environment(threads: int | None = None, device: str = "cpu") -> dict:

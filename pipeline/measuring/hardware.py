@@ -7,14 +7,16 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import LLMEngine, SamplingParams
-from engine.config import engine_weights, group_entry, kv_config, options
+from engine import SamplingParams
 from engine.core.kv_pools import seat_bytes
+from engine.factory import build_engine
 from engine.kernels import build
 from engine.kernels.choice import BUCKETS
 from engine.model.forward import HEAD_SPAN, FlatModel
-from engine.model.linear import Bf16Dense
+from engine.model.layers.linear import Bf16Dense
 from engine.model.runner import SAMPLER_SPAN
+from engine.specs import PolicySpec
+from pipeline.config import build_net, group_entry, kv_spec, options
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.levels import level_nets
@@ -63,16 +65,16 @@ def step_split(net: FlatModel, batch: int, steps: int = 6, fused: bool = True) -
     profiled step longer than the plain one. fused: the net's native CPU kernels (engine/kernels/build.py) if it
     has them, else ATen's operators alone."""
     ops = net.ops
-    net.ops = ops if fused else None
+    net.use_ops(ops if fused else None)
     try:
         return {**_split(net, batch, steps), "kernels": "fused" if net.ops is not None else "ATen"}
     finally:
-        net.ops = ops
+        net.use_ops(ops)
 
 
 def _split(net: FlatModel, batch: int, steps: int) -> dict:
     prompts = prompts_for("chat", batch, None, net.vocab_size)
-    eng = LLMEngine(net, {"name": "continuous", "max_running": batch}, max(map(len, prompts)) + 3 * steps + 4)
+    eng = build_engine(net, PolicySpec("continuous", batch), max(map(len, prompts)) + 3 * steps + 4)
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_new_tokens=3 * steps + 3, ignore_eos=True))
     for _ in range(steps + 2):  # the prefill and one decode step warm up; the last `steps` are timed
@@ -122,7 +124,7 @@ def probe(cfg, model) -> dict:
     what the machine did meanwhile in `disturbance`."""
     dev, limits = cfg.precision.device, cfg.measure
     params = sum(p.numel() for p in model.parameters())
-    net, choice = measured(lambda: FlatModel(model, remeasure=True, **engine_weights(cfg)), limits,
+    net, choice = measured(lambda: build_net(model, cfg, remeasure=True), limits,
                            "probe: kernel choice")
     weight_bytes = net.step_bytes
     (bw, flops), rates = measured(lambda: (bandwidth_gbs(dev), {"fp32": matmul_gflops(torch.float32, dev),
@@ -144,7 +146,7 @@ def probe(cfg, model) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory if dev.startswith("cuda") else \
         int(open("/proc/meminfo").readline().split()[1]) * 1024
     budget = 0.8 * total - weight_bytes  # 80% of the device's memory, less the weights
-    bs, layer_kv = int(kv_config("paged")["block_size"]), kv // net.num_layers
+    bs, layer_kv = int(kv_spec("paged").block_size), kv // net.num_layers
     seats = []
     for c in CONTEXTS:  # each layer its window's blocks (paged), against every layer keeping the whole context
         held = seat_bytes(net.windows, c, layer_kv, bs)

@@ -1,8 +1,7 @@
 """The engine at each precision level of one model, built one way for every stage that sets levels side by side
 (check_precision, engine_speed)."""
-from engine.config import compose_config, engine_weights
-from engine.model.forward import FlatModel
-from engine.model.loader import load_model
+from engine.factory import load_source
+from pipeline.config import build_net, compose_config, model_spec, precision_spec
 
 NOT_HERE = (ValueError, RuntimeError, AssertionError)  # a level this model or machine cannot run (no GGUF, no CUDA)
 
@@ -18,11 +17,12 @@ def level_nets(cfg, names, models: dict | None = None) -> tuple[dict, dict[str, 
     for name in names:
         try:
             level = compose_config([f"model={cfg.model.name}", f"precision={name}"])
-            pc = level.precision
-            for dtype in (pc.dtype, pc.get("reference_dtype", pc.dtype)):
+            pc, spec = level.precision, precision_spec(level.precision)
+            for reference in (False, True):
+                dtype = spec.reference_dtype or spec.dtype if reference else spec.dtype
                 if (dtype, pc.device) not in models:
-                    models[dtype, pc.device] = load_model(cfg.model, dtype, pc.device)
-            net = FlatModel(models[pc.dtype, pc.device][0], **engine_weights(level))
+                    models[dtype, pc.device] = load_source(model_spec(cfg.model), spec, reference)
+            net = build_net(models[pc.dtype, pc.device][0], level)
         except NOT_HERE as exc:
             skipped[name] = f"{type(exc).__name__}: {exc}"
             print(f"{name}: not measured: {skipped[name]}", flush=True)

@@ -6,11 +6,14 @@ import hashlib
 from dataclasses import fields
 
 import pandas as pd
-from omegaconf import OmegaConf
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.core.outputs import StepRecord
+from engine.engine import LLMEngine
+from engine.factory import build_engine
 from engine.model.loader import eos_ids
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec, policy_spec
 from pipeline.measuring.disturbance import measured
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.results import write_json, write_parquet
@@ -24,8 +27,7 @@ def calibrate_step(net, seats: int, max_request_tokens: int, prompt_len: int = 3
                    compile: bool = False, graphs: bool = False) -> float:
     """Median seconds of one full-batch decode step with `seats` rows (the unit of load and of the SLOs), compiled
     as the replays' steps are and warmed up first."""
-    eng = LLMEngine(net, {"name": "continuous", "max_running": seats}, max_request_tokens, compile=compile,
-                    graphs=graphs)
+    eng = build_engine(net, PolicySpec("continuous", seats), max_request_tokens, compile=compile, graphs=graphs)
     eng.warm_up()
     p = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
     for i in range(seats):
@@ -124,8 +126,8 @@ def run_one(model, cfg, wl: pd.DataFrame, table: str, name: str, steps_cache: di
     conc = int(cfg.load.concurrency) if cfg.load.process == "closed" else None
 
     def one():
-        engine = LLMEngine(model, OmegaConf.to_container(cfg.policy), int(cfg.max_request_tokens), eos,
-                           seed=int(cfg.seed), kv=OmegaConf.to_container(cfg.kv), compile=bool(cfg.precision.compile),
+        engine = build_engine(model, policy_spec(cfg.policy), int(cfg.max_request_tokens), eos_ids=eos,
+                           seed=int(cfg.seed), kv=kv_spec(cfg.kv), compile=bool(cfg.precision.compile),
                            graphs=bool(cfg.precision.graphs))
         engine.warm_up()  # compiled steps: compiled now, not in the replay's first steps
         return engine, replay(engine, wl, step_s, conc)

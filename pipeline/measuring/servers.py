@@ -16,9 +16,8 @@ import httpx
 import pandas as pd
 from omegaconf import OmegaConf
 
-from engine.config import ROOT, engine_weights, load_configured_model, load_reference_model
-from engine.model.forward import FlatModel
 from engine.model.loader import pad_id
+from pipeline.config import ROOT, build_net, load_source
 from pipeline.measuring.disturbance import measured, server_pids
 from pipeline.measuring.loadgen import closed_loop, open_loop
 from pipeline.measuring.metrics import slo_limits, summarize
@@ -192,12 +191,12 @@ def references(cfg, n: int, max_tokens: int, concurrency: int) -> dict:
     """A level's n requests in-process: the engine with `concurrency` running at once, as the server had them (its
     steps compiled as the server's are), and HF generate on one padded batch of all n, each first warmed up with
     warm_up_tokens per request."""
-    source, tok = load_configured_model(cfg)
+    source, tok = load_source(cfg)
     prompts = [chat_ids(tok, text) for text, _ in requests_for(n, max_tokens, 0)]
-    net, compile, graphs = (FlatModel(source, **engine_weights(cfg)), bool(cfg.precision.compile),
+    net, compile, graphs = (build_net(source, cfg), bool(cfg.precision.compile),
                             bool(cfg.precision.graphs))
     model = source if cfg.precision.get("reference_dtype", cfg.precision.dtype) == cfg.precision.dtype \
-        else load_reference_model(cfg)[0]
+        else load_source(cfg, reference=True)[0]
     warm = int(cfg.bench.server.warm_up_tokens)
     if compile:
         warm_compiled(net, concurrency, graphs)

@@ -13,11 +13,15 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from engine import LLMEngine, SamplingParams
-from engine.machine import PeakRSS, synchronize
+from engine import SamplingParams
+from engine.factory import build_engine
+from engine.hardware import synchronize
 from engine.model.forward import FlatModel
 from engine.model.hf import generate_padded
 from engine.model.loader import eos_ids, pad_id
+from engine.specs import PolicySpec
+from engine.usage import PeakRSS
+from pipeline.config import kv_spec
 from pipeline.measuring.disturbance import ImpossibleFigure, measured
 from pipeline.workloads.prompts import prompts_for
 
@@ -86,7 +90,7 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -
 
 def warm_compiled(net: FlatModel, seats: int, graphs: bool = False) -> float:
     """Compile every shape of compiled step up to `seats` rows now (LLMEngine.warm_up), before any timed run; s."""
-    return LLMEngine(net, {"name": "continuous", "max_running": seats}, 128, compile=True, graphs=graphs).warm_up()
+    return build_engine(net, PolicySpec("continuous", seats), 128, compile=True, graphs=graphs).warm_up()
 
 
 def engine_run(net: FlatModel, prompts, new_tokens: int, compile: bool = False, kv: str = "slot",
@@ -94,8 +98,8 @@ def engine_run(net: FlatModel, prompts, new_tokens: int, compile: bool = False, 
     """One engine run of B requests arriving together: total and first-step (prefill) seconds, peak memory (MB),
     KV cache, KV-per-token and weight bytes. kv: the cache (a paged pool gets the slot cache's size)."""
     max_request_tokens = max(map(len, prompts)) + new_tokens
-    eng = LLMEngine(net, {"name": "continuous", "max_running": max_running or len(prompts)}, max_request_tokens,
-                    eos_ids(net), compile=compile, kv=kv, graphs=graphs)
+    eng = build_engine(net, PolicySpec("continuous", max_running or len(prompts)), max_request_tokens,
+                       eos_ids=eos_ids(net), compile=compile, kv=kv_spec(kv), graphs=graphs)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     device = eng.runner.device
     if device.type == "cuda":

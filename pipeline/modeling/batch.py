@@ -2,9 +2,12 @@
 admitted together and run to L_out output tokens each under continuous batching, the real scheduler on a virtual
 clock whose steps cost what a Roofline computes. Also the single steps a user may ask for: B decode rows at a context,
 or prompt chunks at their contexts."""
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.core.simulator import SimRunner, VirtualClock
+from engine.factory import build_engine
+from engine.specs import KVSpec, PolicySpec
+from pipeline.config import kv_spec
 from pipeline.modeling.roofline import Roofline
 
 BLOCK = 16  # tokens per K/V block where the memory, not the batch, limits the requests running
@@ -40,18 +43,19 @@ def run_batch(roof: Roofline, batch: int, input_tokens: int, output_tokens: int,
     return scheduled_batch(roof, batch, input_tokens, output_tokens, token_budget, kv)
 
 
-def paged_pool(tokens: float, prefix_caching: bool = True) -> dict:
-    """A conf/kv entry: a paged pool of BLOCK-token blocks holding `tokens` (the memory's K/V room)."""
-    return {"name": "paged", "block_size": BLOCK, "num_blocks": int(tokens // BLOCK), "prefix_caching": prefix_caching}
+def paged_pool(tokens: float, prefix_caching: bool = True) -> KVSpec:
+    """A paged pool of BLOCK-token blocks holding `tokens` (the memory's K/V room)."""
+    return kv_spec("paged", block_size=BLOCK, num_blocks=int(tokens // BLOCK), prefix_caching=prefix_caching)
 
 
 def scheduled_batch(roof: Roofline, batch: int, input_tokens: int, output_tokens: int,
                     token_budget: int | None = None, kv="slot") -> dict:
-    """run_batch through the real scheduler on a virtual clock (kv: a conf/kv entry)."""
+    """run_batch through the real scheduler on a virtual clock (kv: a KV record or a conf/kv name)."""
     clock = VirtualClock()
-    policy = {"name": "chunked", "max_running": batch, "token_budget": token_budget} if token_budget else \
-        {"name": "continuous", "max_running": batch}
-    eng = LLMEngine(None, policy, input_tokens + output_tokens, runner=SimRunner(roof, clock), clock=clock, kv=kv)
+    policy = PolicySpec.of("chunked", batch, token_budget=token_budget) if token_budget else \
+        PolicySpec.of("continuous", batch)
+    eng = build_engine(None, policy, input_tokens + output_tokens, runner=SimRunner(roof, clock), clock=clock,
+                       kv=kv_spec(kv))
     params = SamplingParams(max_new_tokens=output_tokens, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"b{i}", [0] * input_tokens, params)

@@ -14,7 +14,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 from omegaconf import OmegaConf
 
-from engine.config import compose_config
+from engine.specs import KVSpec, PolicySpec
+from pipeline.config import compose_config
 from pipeline.measuring.metrics import capacity_at_slo, slo_limits
 from pipeline.modeling import shaped
 from pipeline.modeling.batch import decode_step, paged_pool
@@ -33,9 +34,9 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SEATS_HARDWARE = ("dgx-spark", "rtx-4090", "h100-sxm")
 SEATS_MODELS = ("llama-3.1-8b-shape", "llama-3.1-70b-shape")
 SEATS_CONTEXTS = (1024, 4096)
-CLOSED = {"naive": {"name": "naive", "max_running": 1},                 # seed 000's three servers
-          "static batcher (B=16, 50 ms)": {"name": "dynamic", "max_running": 16, "max_batch": 16, "max_wait_ms": 50},
-          "continuous (B<=256)": {"name": "continuous", "max_running": 256}}
+CLOSED = {"naive": PolicySpec.of("naive", 1),                           # seed 000's three servers
+          "static batcher (B=16, 50 ms)": PolicySpec.of("dynamic", 16, max_batch=16, max_wait_ms=50),
+          "continuous (B<=256)": PolicySpec.of("continuous", 256)}
 CONCURRENCY = (1, 4, 16, 64, 256)
 CLOSED_TOKENS = 128                  # tokens each closed-loop request asks for
 SHAPES = ("azure-conv", "azure-code")
@@ -68,7 +69,7 @@ def at_scale(cfg, budget: float, chunk: bool = True, seats: int = SEATS):
         cfg.policy.token_budget = TOKEN_BUDGET
     cfg.load.ref_seats = SEATS
     if cfg.policy.name not in ("static", "dynamic", "bucketed"):
-        cfg.kv = OmegaConf.create(paged_pool(budget))
+        cfg.kv = OmegaConf.create(paged_pool(budget).entry())
     return cfg
 
 
@@ -178,8 +179,8 @@ def closed_loop(base, roof: Roofline, budget: float, step_s: float) -> list[dict
                           f"max_request_tokens={CONTEXT}", "load=closed", f"seed={base.seed}"])
     meta, jobs = [], []
     for series, policy in CLOSED.items():
-        cfg.policy = OmegaConf.create(policy)
-        cfg.kv = OmegaConf.create({"name": "slot"} if policy["name"] == "dynamic" else paged_pool(budget))
+        cfg.policy = OmegaConf.create(policy.entry())
+        cfg.kv = OmegaConf.create((KVSpec() if policy.name == "dynamic" else paged_pool(budget)).entry())
         for c in CONCURRENCY:
             cfg.workload.num_requests = max(2, c // 4)  # x profile.requests_scale 4
             meta.append({"series": series, "concurrency": c})

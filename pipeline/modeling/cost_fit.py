@@ -1,4 +1,4 @@
-"""Step time as a non-negative combination of what each step computes (engine.simulator.FEATURES), fitted to every
+"""Step time as a non-negative combination of what each step computes (engine.core.simulator.FEATURES), fitted to every
 per-step record of the engine replays; its error overall and per step kind, and the knee against the ridge point.
 
 Non-negative least squares on relative error (each step weighted by 1 / its duration), so short decode steps count

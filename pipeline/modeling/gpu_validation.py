@@ -9,7 +9,7 @@ import functools
 import numpy as np
 import yaml
 
-from engine.config import ROOT, compose_config, group_entry, options
+from pipeline.config import ROOT, compose_config, group_entry, options
 from pipeline.modeling.batch import run_batch
 from pipeline.modeling.machines import spec_roofline
 from pipeline.modeling.roofline import Efficiency, Roofline

@@ -5,7 +5,7 @@ import json
 
 from omegaconf import OmegaConf
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.modeling.roofline import DTYPE_BYTES, GB, Efficiency, Roofline, Shape
 
 MEMORY_UTILIZATION = 0.9   # share of a device's memory an engine takes for weights and K/V (vLLM's default)

@@ -15,10 +15,10 @@ import pandas as pd
 from omegaconf import OmegaConf
 from scipy.stats import spearmanr
 
-from engine import LLMEngine
-from engine.config import ROOT
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.core.simulator import CostModel, SimRunner, VirtualClock
+from engine.factory import build_engine
+from pipeline.config import ROOT, kv_spec, policy_spec
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.measuring.replay import replay
 from pipeline.workloads.generate import build
@@ -33,7 +33,8 @@ def simulate(cost: CostModel, policy: dict, workload: pd.DataFrame, step_s: floa
     """One run in simulation: the workload replayed through the real scheduler on SimRunner; its summary row.
     kv: a conf/kv entry; a paged pool is sized by kv.num_blocks (or the slot cache's size)."""
     clock = VirtualClock()
-    eng = LLMEngine(None, policy, max_request_tokens, runner=SimRunner(cost, clock), clock=clock, kv=kv)
+    eng = build_engine(None, policy_spec(policy), max_request_tokens, runner=SimRunner(cost, clock), clock=clock,
+                       kv=kv_spec(kv))
     req, steps, _ = replay(eng, workload, step_s, concurrency, time_limit_s=1e6,
                            wait_until=lambda t: clock.advance_to(eng.t0 + t))
     return summarize(req, steps, ttft_limit, tpot_limit)

@@ -3,7 +3,7 @@ file, each file checked to come from this machine (reports/machine.json) or labe
 import json
 from pathlib import Path
 
-from engine.config import group_entry
+from pipeline.config import group_entry
 from pipeline.measuring.metrics import meets_slo
 from pipeline.reporting import computed, models, precision_table, shaped, tables
 from pipeline.workloads.runs import table_config

@@ -1,5 +1,6 @@
 """Stage bench_cache: seed 003 §3, the growing torch.cat cache against the slot cache (data/results/cache.json)."""
-from engine.config import ROOT, load_engine_model
+from engine import threads
+from pipeline.config import ROOT, load_net
 from pipeline.measuring.cache import BATCH, compare
 from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
@@ -9,7 +10,8 @@ from pipeline.timings import timed_stage
 if __name__ == "__main__":
     with timed_stage():
         cfg = load()
-        net, _ = load_engine_model(cfg)
+        threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
+        net, _ = load_net(cfg)
         write_json(ROOT / "data" / "results" / "cache.json", {"batch": BATCH, "rows": compare(net),
                                                               "machine": environment(cfg.threads,
                                                                                      cfg.precision.device)})

@@ -7,7 +7,8 @@ import sys
 import pandas as pd
 from omegaconf import OmegaConf
 
-from engine.config import ROOT, load_engine_model
+from engine import threads
+from pipeline.config import ROOT, load_net
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.replay import run_table, save_table
 from pipeline.params import load
@@ -15,11 +16,12 @@ from pipeline.timings import timed_stage
 
 if __name__ == "__main__":
     cfg = load([])
-    nets = {cfg.precision.name: load_engine_model(cfg)[0]}  # precision level -> the engine's model at that level
+    threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
+    nets = {cfg.precision.name: load_net(cfg)[0]}  # precision level -> the engine's model at that level
 
     def net_for(run_cfg):
         if run_cfg.precision.name not in nets:
-            nets[run_cfg.precision.name] = load_engine_model(run_cfg)[0]
+            nets[run_cfg.precision.name] = load_net(run_cfg)[0]
         return nets[run_cfg.precision.name]
 
     for table in sys.argv[1:] or list(cfg.tables):

@@ -5,7 +5,7 @@ import json
 import pandas as pd
 from omegaconf import OmegaConf
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import run_servers
 from pipeline.params import load

@@ -5,8 +5,9 @@ import json
 
 from omegaconf import OmegaConf
 
-from engine.config import ROOT, load_engine_model
+from engine import threads
 from engine.core.simulator import CostModel
+from pipeline.config import ROOT, load_net
 from pipeline.measuring.fingerprint import environment
 from pipeline.modeling.shaped import run
 from pipeline.params import load
@@ -19,9 +20,10 @@ RESULTS = ROOT / "data" / "results"
 if __name__ == "__main__":
     with timed_stage():
         cfg = load()
+        threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
         fitted = json.loads((RESULTS / "cost_model.json").read_text())
         tok, vocab = tokenizer_and_vocab(cfg)
-        out = run((load_engine_model(cfg)[0], tok, vocab), CostModel(**fitted["cost_model"]), cfg)
+        out = run((load_net(cfg)[0], tok, vocab), CostModel(**fitted["cost_model"]), cfg)
         out.update({"config": {"bench": OmegaConf.to_container(cfg.bench.shaped), "seed": int(cfg.seed)},
                     "machine": environment(cfg.threads, cfg.precision.device)})
         write_json(RESULTS / "shaped.json", out)

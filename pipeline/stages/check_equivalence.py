@@ -2,7 +2,9 @@
 (reports/equivalence.json); fails unless a lossless level matches (model weights: token-equal; else up to near-ties)."""
 import sys
 
-from engine.config import ROOT, engine_weights, load_configured_model
+from engine import threads
+from engine.factory import gguf_file
+from pipeline.config import ROOT, load_source, model_spec, precision_spec
 from pipeline.measuring.equivalence import LENS, check
 from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
@@ -12,11 +14,13 @@ from pipeline.timings import timed_stage
 if __name__ == "__main__":
     with timed_stage():
         cfg = load()
-        model, tok = load_configured_model(cfg)
+        threads.govern(int(cfg.threads), cfg.measure)
+        model, tok = load_source(cfg)
         p = cfg.precision
         rule = "token-equal" if p.weights == "model" and not p.lossy else "up to near-ties"
         tie = None if rule == "token-equal" else float(cfg.bench.precision.near_tie)
-        matches = check(model, tok, engine_weights(cfg), tie)
+        level = precision_spec(p)
+        matches = check(model, tok, level, gguf_file(model_spec(cfg.model), level), tie)
         write_json(ROOT / "reports" / "equivalence.json", {"model": cfg.model.name, "precision": p.name,
                                                            "rule": rule, "near_tie": tie, "matches": matches,
                                                            "requests": len(LENS),

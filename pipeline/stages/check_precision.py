@@ -1,8 +1,9 @@
 """Stage check_precision: each precision level's accuracy against fp32, the noise floor first
 (reports/precision.json: {"levels": {level: figures}, "noise_floor": figures, ...})."""
-from engine.config import ROOT
+from engine import threads
+from engine.factory import build_net
 from engine.kernels.choice import candidates
-from engine.model.forward import FlatModel
+from pipeline.config import ROOT
 from pipeline.measuring import accuracy
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.levels import level_nets
@@ -13,6 +14,7 @@ from pipeline.timings import timed_stage
 if __name__ == "__main__":
     with timed_stage():
         cfg = load()
+        threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
         p = cfg.bench.precision
         base, model, tok, ref = accuracy.reference(cfg)
         seqs, stream = accuracy.stream_for(cfg.model.name, ref, tok, model.config.vocab_size, int(p.sequences),
@@ -26,7 +28,7 @@ if __name__ == "__main__":
             net.pin_kernels(0)  # (its prefill kernels, the fp32 values through other orders, differ less)
         floor_names = ["fp32, other product"]  # the floor on a share of the stream
         share = {floor_names[0]: max(int(p.batch), len(seqs) // int(p.floor_share))}
-        pooled = accuracy.teacher_forced(ref, {floor_names[0]: FlatModel(model, kernel=other), **levels}, seqs,
+        pooled = accuracy.teacher_forced(ref, {floor_names[0]: build_net(model, kernel=other), **levels}, seqs,
                                          int(p.batch), float(p.near_tie), share)
         figures = {name: accuracy.summary(c) for name, c in pooled.items()}
         floor = figures[floor_names[0]]

@@ -6,7 +6,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.modeling.computed import compute
 from pipeline.params import load
 from pipeline.reporting.computed import report

@@ -5,7 +5,7 @@ import json
 import torch
 
 from engine import threads
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.levels import level_nets
 from pipeline.measuring.timing import engine_speed

@@ -1,6 +1,6 @@
 """Stage fingerprint (always_changed): this machine's fingerprint to reports/machine.json, on which every measuring
 stage depends, so another machine reruns them and the same one leaves them."""
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.measuring.fingerprint import environment
 from pipeline.params import load
 from pipeline.results import write_json

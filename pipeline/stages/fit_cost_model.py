@@ -5,7 +5,7 @@ import json
 
 import pandas as pd
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.modeling.cost_fit import fit_replays
 from pipeline.modeling.machines import cpu_roofline, model_shape
 from pipeline.params import load

@@ -3,7 +3,7 @@ column naming each run; the file's metadata names each production-shaped run's w
 ("Azure conv lengths / 8"), source, scale, arrivals and burstiness k)."""
 import sys
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.params import load
 from pipeline.results import write_parquet
 from pipeline.timings import timed_stage

@@ -1,5 +1,5 @@
 """Stage plots: the charts of every result (reports/plots/: PNG, and CSV for `dvc plots`)."""
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.reporting.plots import draw_all
 from pipeline.timings import timed_stage
 

@@ -1,5 +1,5 @@
 """Stage report: reports/REPORT.md and reports/metrics.json, generated from the results; never edited by hand."""
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.params import load
 from pipeline.reporting.report import build
 from pipeline.results import write_json, write_text

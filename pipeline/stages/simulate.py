@@ -2,8 +2,8 @@
 (data/results/simulation.json)."""
 import json
 
-from engine.config import ROOT
 from engine.core.simulator import CostModel
+from pipeline.config import ROOT
 from pipeline.modeling.simulation import run_all
 from pipeline.params import load
 from pipeline.results import write_json

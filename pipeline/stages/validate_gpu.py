@@ -2,7 +2,7 @@
 beside the published figure (reports/gpu_validation.md and .json; calibration runs marked, not counted)."""
 import json
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.modeling.gpu_validation import validate
 from pipeline.reporting.computed import validation_report
 from pipeline.results import write_json, write_text

@@ -5,7 +5,7 @@ adding a GPU or a calibration run; the terms are then held fixed (reports/gpu_va
 import re
 import sys
 
-from engine.config import CONF
+from pipeline.config import CONF
 from pipeline.modeling.gpu_validation import calibrate
 
 

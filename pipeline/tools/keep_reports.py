@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.results import write_bytes
 
 

@@ -14,7 +14,7 @@ from pipeline.measuring.loadgen import overload, poisson, soak
 
 def workload_run(a) -> dict:
     """The composed workload's requests (token ids, its output lengths) at its arrivals in seconds, open loop."""
-    from engine.config import compose_config
+    from pipeline.config import compose_config
     from pipeline.workloads.arrivals import arrival_seconds
     from pipeline.workloads.generate import build, tokenizer_and_vocab
 

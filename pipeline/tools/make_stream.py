@@ -5,7 +5,7 @@ same positions."""
 import json
 import sys
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.measuring.accuracy import STREAMS, reference, token_stream
 from pipeline.measuring.fingerprint import environment
 from pipeline.params import load

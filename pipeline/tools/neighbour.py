@@ -9,8 +9,7 @@ import time
 import torch
 
 from engine import threads
-from engine.config import ROOT, engine_weights, load_configured_model
-from engine.model.forward import FlatModel
+from pipeline.config import ROOT, build_net, load_source
 from pipeline.measuring.disturbance import Watch
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import running
@@ -38,8 +37,8 @@ def spin() -> subprocess.Popen:
 
 
 def main(cfg) -> dict:
-    model, tok = load_configured_model(cfg)
-    net = FlatModel(model, **engine_weights(cfg))
+    model, tok = load_source(cfg)
+    net = build_net(model, cfg)
     prompts = {b: prompts_for("chat", b, tok, model.config.vocab_size) for b in BATCHES}
     engine_run(net, prompts[1], 8)  # warm-up
     rows = []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from engine.config import ROOT, compose_config, engine_weights, load_configured_model
-from engine.model.forward import FlatModel
+from engine import threads
+from pipeline.config import ROOT, build_net, compose_config, load_source
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import free_port, measure, requests_for, start, stop
@@ -101,12 +101,13 @@ def inprocess_side(cfg, here: list[str], warm: int) -> tuple[list[dict], list[di
     p, rows, refused, info = cfg.bench.peer, [], [], {}
     fp32 = OmegaConf.create(OmegaConf.to_container(cfg))
     fp32.precision = compose_config([f"model={cfg.model.name}", "precision=fp32"]).precision
-    source, tok = load_configured_model(fp32)
+    threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
+    source, tok = load_source(fp32)
     texts = requests_for(max(int(p.n), *p.levels), int(p.max_tokens), cfg.seed)
     prompts = [chat_ids(tok, text) for text, _ in texts]
     load_args = (list(p.levels), int(p.n), int(p.max_tokens), warm)
     try:
-        rows, refused, info[openvino.NAME] = openvino.run(cfg, prompts, FlatModel(source, **engine_weights(fp32)),
+        rows, refused, info[openvino.NAME] = openvino.run(cfg, prompts, build_net(source, fp32),
                                                           load_args)
     except Refused as exc:
         refused.append(refusal(openvino.NAME, ", ".join(p.openvino.weights), "in-process", exc))

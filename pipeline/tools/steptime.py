@@ -16,7 +16,7 @@ import sys
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 from pipeline.modeling.batch import chunk_step, decode_step, run_batch
 from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 

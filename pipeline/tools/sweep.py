@@ -8,7 +8,7 @@ Each job composes conf/ with its overrides, builds its seeded workload and repla
 stage bench_engine does, then saves run.json, run.parquet and run_steps.parquet in its own folder. When the sweep
 ends, `Collect` merges them into sweep.json, sweep.parquet and sweep_steps.parquet (the format of
 data/results/engine/<table>.*) and SWEEP.md in the sweep folder, data/results/sweeps/<date_time> by default.
-A process runs one isa level (engine/isa.py): a multirun over levels needs a launcher that starts a process per job.
+A process runs one isa level (pipeline/isa.py): a multirun over levels needs a launcher that starts a process per job.
 """
 import json
 from pathlib import Path
@@ -19,8 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from engine import isa
-from engine.config import load_engine_model
+from engine import threads
+from pipeline import isa
+from pipeline.config import load_net
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.replay import run_one, save_table
 from pipeline.reporting.tables import sweep
@@ -34,7 +35,8 @@ def job(cfg) -> float:
     isa.apply(cfg.isa)
     hc = HydraConfig.get()
     tok, vocab = tokenizer_and_vocab(cfg)
-    model, _ = load_engine_model(cfg)
+    threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
+    model, _ = load_net(cfg)
     row, req, st = run_one(model, cfg, build(cfg, tok, vocab), "sweep", " ".join(hc.overrides.task) or "default", {})
     meta = {"config": OmegaConf.to_container(cfg), "machine": environment(cfg.threads, cfg.precision.device)}
     save_table(Path(hc.runtime.output_dir), "run", [row], [req], [st], meta)

@@ -3,7 +3,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 from pipeline.params import PARAMS
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from engine.model.loader import load_tokenizer
+from pipeline.config import model_spec
 from pipeline.workloads.arrivals import arrival_steps
 from pipeline.workloads.prompts import long_prompts, short_prompts
 from pipeline.workloads.runs import runs
@@ -25,7 +26,7 @@ def output_lengths(rng, n: int, mean: float, sigma: float, max_len: int) -> np.n
 
 def tokenizer_and_vocab(cfg):
     """(tokenizer or None, vocabulary size) of the configured model, for building prompts."""
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(model_spec(cfg.model))
     return tok, len(tok) if tok is not None else int(cfg.model.config.vocab_size)
 
 

@@ -4,7 +4,7 @@ import itertools
 
 from omegaconf import DictConfig
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 
 
 def point_overrides(table) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The process's memory: its peak over a timed block (engine.machine.PeakRSS: the kernel's high-water mark, reset on
+"""The process's memory: its peak over a timed block (engine.usage.PeakRSS: the kernel's high-water mark, reset on
 entry, with no thread running beside the measured work), and what the engine's steps keep for reuse."""
 import mmap
 import os
@@ -9,9 +9,10 @@ import threading
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
-from engine.machine import PeakRSS, retain_freed_memory, rss_mb
-from engine.model.forward import FlatModel
+from engine import SamplingParams
+from engine.factory import build_engine, build_net
+from engine.specs import PolicySpec, PrecisionSpec
+from engine.usage import PeakRSS, retain_freed_memory, rss_mb
 
 
 def test_peak_covers_memory_freed_inside_the_block():
@@ -52,8 +53,8 @@ def test_a_warm_engine_maps_no_new_memory_each_step(smollm2):
     counts: the kernel itself now and then remaps a step's pages at once (a burst of thousands in one step, seen on
     some machines whatever the engine does), while memory handed back every step faults in every step."""
     model, tok = smollm2
-    net = FlatModel(model, weights="bf16", kv_dtype="bfloat16")
-    eng = LLMEngine(net, {"name": "continuous", "max_running": 64}, 64)
+    net = build_net(model, PrecisionSpec(weights="bf16", kv_dtype="bfloat16"))
+    eng = build_engine(net, PolicySpec.of("continuous", 64), 64)
     for i in range(64):
         eng.add_request(str(i), [1 + i, 2, 3, 4], SamplingParams(max_new_tokens=40, ignore_eos=True))
     for _ in range(4):

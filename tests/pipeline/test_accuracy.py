@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from engine.config import compose_config
+from engine.factory import build_net
+from pipeline.config import compose_config
 from pipeline.measuring import accuracy
 
 RULE = compose_config([]).bench.precision  # near_tie, lossless_kld, lossless_top1
@@ -58,9 +59,8 @@ def test_stream_prompts_are_distinct_with_and_without_a_tokenizer(smollm2_tokeni
 
 
 def test_a_committed_stream_is_read_where_it_fits_else_one_is_made_here(tiny_llama, tmp_path, monkeypatch):
-    from engine.model.forward import FlatModel
 
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     made = accuracy.token_stream(net, None, tiny_llama.config.vocab_size, 3, 64, 0)
     monkeypatch.setattr(accuracy, "ROOT", tmp_path)
     monkeypatch.setattr(accuracy, "STREAMS", tmp_path / "data" / "streams")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 from pipeline.measuring.loadgen import open_loop_times
 from pipeline.workloads.arrivals import arrival_seconds, arrival_times, gamma_shape
 from pipeline.workloads.generate import build

@@ -10,7 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import pipeline.measuring.servers as bench
-from engine.config import compose_config
+from engine.specs import PolicySpec
+from pipeline.config import compose_config
 from tests.serving import Server, metric, warming_up
 
 
@@ -18,7 +19,7 @@ def test_bench_waits_out_a_warm_up_but_not_forever(chat_model, monkeypatch):
     """wait_ready: a server that answers "warming up" is waited for past timeout_s (up to warm_s from its start),
     and killed with an error when still warming up at warm_s."""
     release = warming_up(monkeypatch, 1.0)
-    with Server(*chat_model, {"name": "continuous", "max_running": 2}) as s:
+    with Server(*chat_model, PolicySpec.of("continuous", 2)) as s:
         killed = []
         proc = SimpleNamespace(poll=lambda: None, kill=lambda: killed.append(1))
         with pytest.raises(RuntimeError, match="did not come up"):
@@ -41,7 +42,7 @@ def test_each_level_is_warmed_up_first_and_the_warm_up_is_not_recorded(chat_mode
     """measure: before a level's n requests, its first c requests run with warm_up_tokens each; the server
     generates those too, but the level's row and records hold only the n measured requests."""
     inf = float("inf")
-    with Server(*chat_model, {"name": "continuous", "max_running": 4}) as s:
+    with Server(*chat_model, PolicySpec.of("continuous", 4)) as s:
         once = OmegaConf.create({**compose_config([]).measure, "tries": 1})  # a disturbed level is not repeated here
         rows, recs = bench.measure(f"{s.url}/v1", "tiny-chat", "tiny", [2], 3, 5, 60, (inf, inf), 0, warm_up_tokens,
                                    once)

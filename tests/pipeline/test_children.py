@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow  # subprocesses that import the lab: seconds each
 ROOT = Path(__file__).resolve().parents[2]
 SPIN = "from pipeline.tools.neighbour import spin\nspin()\n"
-SERVER = ("from omegaconf import OmegaConf\nfrom engine.config import compose_config\n"
+SERVER = ("from omegaconf import OmegaConf\nfrom pipeline.config import compose_config\n"
           "from pipeline.measuring.servers import free_port, start\n"
           "cfg = compose_config(['model=tiny-chat', 'threads=1'])\n"
           "run = OmegaConf.create({'name': 'engine', 'server': 'engine', 'policy': 'continuous', 'max_running': 2})\n"

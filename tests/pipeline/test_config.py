@@ -5,7 +5,7 @@ import pytest
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 from pipeline.params import PARAMS
 from pipeline.workloads.runs import point_overrides, runs
 

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from engine import threads
-from engine.machine import CpuTimes, other_cpu_share
+from engine.usage import CpuTimes, other_cpu_share
 from pipeline.measuring import disturbance
 from pipeline.measuring.disturbance import Disturbance, ImpossibleFigure, Watch, measured
 from pipeline.results import write_json, write_parquet

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from engine.config import ROOT, group_entry, options
+from pipeline.config import ROOT, group_entry, options
 from pipeline.modeling import gpu_validation as gv
 from pipeline.modeling.cost_fit import first_principles
 from pipeline.modeling.roofline import Roofline, Shape

@@ -8,7 +8,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 from pipeline.tools.loadgen import main
 from pipeline.workloads.arrivals import arrival_seconds
 from pipeline.workloads.generate import build

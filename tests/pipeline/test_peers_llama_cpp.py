@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from omegaconf import OmegaConf
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.tools import peer
 from pipeline.tools.peers import llama_cpp
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.tools.peers import inprocess, openvino, venvs, vllm
 
 

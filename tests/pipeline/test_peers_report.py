@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.config import ROOT, compose_config
+from pipeline.config import ROOT, compose_config
 from pipeline.tools import peer
 from pipeline.tools.peers.report import ratios, render, shown
 

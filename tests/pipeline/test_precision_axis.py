@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 import pipeline.measuring.replay as replay_mod
 import pipeline.measuring.servers as bench
-from engine.config import compose_config
 from engine.core.simulator import FEATURES, CostModel
+from pipeline.config import compose_config
 from pipeline.measuring.fingerprint import environment
 from pipeline.modeling.cost_fit import fit_replays
 from pipeline.modeling.simulation import level_gains

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.config import compose_config
+from pipeline.config import compose_config
 from pipeline.measuring.fingerprint import environment
 from pipeline.reporting import report
 

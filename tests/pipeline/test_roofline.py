@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from engine.config import CONF, compose_config
+from pipeline.config import CONF, compose_config
 from pipeline.modeling.batch import chunk_step, decode_step, run_batch, scheduled_batch
 from pipeline.modeling.computed import seats_table, step_table
 from pipeline.modeling.machines import kv_tokens, spec_roofline

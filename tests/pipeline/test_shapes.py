@@ -3,10 +3,9 @@ prompts hit the prefix cache at 40 % within 3 points, seeds reproduce, and lengt
 import numpy as np
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 
-from engine import LLMEngine
-from engine.config import compose_config
+from engine.factory import build_engine
+from pipeline.config import compose_config, kv_spec, policy_spec
 from pipeline.measuring.replay import replay
 from pipeline.workloads import shapes
 from pipeline.workloads.generate import build
@@ -114,7 +113,7 @@ def test_the_engines_prefix_cache_finds_the_planned_hits(tiny_llama):
     c = cfg("mooncake-conv", "load=closed", "load.concurrency=1", "workload.num_requests=64", "kv=paged",
             "kv.block_size=8", "kv.num_blocks=4096", "policy.max_running=4")
     wl = build(c)
-    eng = LLMEngine(tiny_llama, OmegaConf.to_container(c.policy), 512, kv=OmegaConf.to_container(c.kv))
+    eng = build_engine(tiny_llama, policy_spec(c.policy), 512, kv=kv_spec(c.kv))
     req, steps, _ = replay(eng, wl, step_s=0.001, concurrency=1)
     assert req["complete"].all() and wl.attrs["prefix_block_tokens"] == 8
     assert steps["cached_tokens"].sum() / wl["prompt_tokens"].sum() == pytest.approx(wl.attrs["prefix_hit_ratio"])

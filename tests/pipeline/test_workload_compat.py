@@ -1,14 +1,14 @@
 """The seed tables' workloads and the load generator's Poisson arrivals stay bit-identical for the same seed: their
-digests are kept in tests/fixtures/workload_fingerprints.json (rewrite it with `python -m tests.pipeline.test_workload_compat`
-only when a change of them is meant)."""
+digests are kept in tests/fixtures/workload_fingerprints.json (rewrite it with
+`python -m tests.pipeline.test_workload_compat` only when a change of them is meant)."""
 import hashlib
 import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from engine.config import compose_config
 from engine.model.loader import load_tokenizer
+from pipeline.config import compose_config
 from pipeline.measuring.loadgen import open_loop_times
 from pipeline.workloads.generate import build
 

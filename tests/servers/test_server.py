@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.model.hf import generate_alone
+from engine.specs import PolicySpec
 from tests.serving import BACKENDS, Server, client
 
 
@@ -246,7 +247,7 @@ def test_generate_backends_take_the_same_format_and_refuse_per_row_extras(chat_m
 
 
 def test_api_key(chat_model):
-    with Server(*chat_model, {"name": "continuous", "max_running": 2}, api_key="sekret") as s:
+    with Server(*chat_model, PolicySpec.of("continuous", 2), api_key="sekret") as s:
         with pytest.raises(openai.AuthenticationError):
             client(s, "wrong").models.list()
         assert client(s, "sekret").models.list().data[0].id == "tiny-chat"

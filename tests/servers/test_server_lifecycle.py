@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.specs import PolicySpec
 from tests.serving import BACKENDS, Server, free_port, metric, slow_steps, wait_for, warming_up
 
 HI = [{"role": "user", "content": "hi"}]
@@ -22,7 +23,7 @@ def test_drain_finishes_what_it_can_and_fails_the_rest(chat_model, backend):
     """Steps slowed by 20 ms. A 4-token request finishes inside a 1 s grace; a 300-token one (6 s) is failed
     with a shutdown event at the grace's end; meanwhile /health says draining and newcomers get 503; the
     worker's loop then ends."""
-    two = {"engine": {"name": "continuous", "max_running": 2},
+    two = {"engine": PolicySpec.of("continuous", 2),
            "batcher": {"name": "generate", "max_batch": 2, "max_wait_ms": 1000}}
     with Server(*chat_model, two[backend]) as s:
         undo = slow_steps(s, 0.02)
@@ -59,7 +60,7 @@ def test_requests_wait_for_the_warm_up(chat_model, monkeypatch):
     "warming up" and a request gets 503 with Retry-After; then both are served, /health giving the warm-up's
     seconds."""
     release = warming_up(monkeypatch, 2.5)
-    with Server(*chat_model, {"name": "continuous", "max_running": 2}) as s:
+    with Server(*chat_model, PolicySpec.of("continuous", 2)) as s:
         h = httpx.get(f"{s.url}/health")
         assert h.status_code == 503 and h.json()["status"] == "warming up"
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=5)
@@ -72,7 +73,7 @@ def test_requests_wait_for_the_warm_up(chat_model, monkeypatch):
 
 
 def test_engine_failure_fails_requests_and_shows_on_health(chat_model):
-    with Server(*chat_model, {"name": "continuous", "max_running": 2}) as s:
+    with Server(*chat_model, PolicySpec.of("continuous", 2)) as s:
         def boom():
             raise RuntimeError("simulated fault")
         s.engine.runner.run = lambda *a, **k: boom()
@@ -130,8 +131,8 @@ def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
     cmd = [sys.executable, "-m", "servers", "model=tiny-chat", f"model.tokenizer={smollm2_tokenizer_dir}",
            "policy=static", "policy.max_batch=2", "policy.max_running=4", f"port={port}", "server.shutdown_grace_s=5",
            "threads=1"]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "LAB_API_KEY": ""})
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "LAB_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:
         def up():

@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec
 from servers.worker import EngineWorker
 from tests.serving import ONE_SEAT, Server, client, free_port, metric, slow_steps, wait_for
 
@@ -17,7 +19,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def test_429_with_retry_after(chat_model):
-    with Server(*chat_model, {"name": "static", "max_running": 8, "max_batch": 8}, max_waiting=1) as s:
+    with Server(*chat_model, PolicySpec.of("static", 8, max_batch=8), max_waiting=1) as s:
         body = {"messages": HI, "max_tokens": 4}
         outcome = []
 
@@ -114,7 +116,7 @@ def test_overload_answers_429_at_once_with_retry_after_from_the_estimate(chat_mo
 def test_deadline_passed_in_the_queue_drops_the_request(chat_model):
     """A lone request on pure static batching waits forever; with a 0.5 s deadline (the header the OpenAI SDKs
     send) it is dropped from the queue and answered 408, streaming or not."""
-    with Server(*chat_model, {"name": "static", "max_running": 8, "max_batch": 8}) as s:
+    with Server(*chat_model, PolicySpec.of("static", 8, max_batch=8)) as s:
         head = {"x-stainless-read-timeout": "0.5"}
         t = time.monotonic()
         r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": HI, "max_tokens": 4}, headers=head, timeout=10)
@@ -132,8 +134,8 @@ def test_paged_server_exports_blocks_and_prefix_hits(chat_model):
     """On paged KV, /metrics counts prefix-cache queries and hits in tokens (vLLM's names) and KV usage in blocks:
     the same prompt twice, in turn; the second finds every full block of the first but the one holding its last
     token, and computes only the rest."""
-    kv = {"name": "paged", "block_size": 4, "num_blocks": 64}
-    with Server(*chat_model, {"name": "continuous", "max_running": 2}, kv=kv) as s:
+    kv = kv_spec("paged", block_size=4, num_blocks=64)
+    with Server(*chat_model, PolicySpec.of("continuous", 2), kv=kv) as s:
         msgs = [{"role": "user", "content": "tell me about the sea " * 6}]
         p = [client(s).chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=3).usage.prompt_tokens
              for _ in range(2)][0]
@@ -183,7 +185,7 @@ def test_http_thread_cpu_is_the_event_loops_own(server):
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
 def test_pure_static_never_answers_a_lone_request(chat_model, stream):
     """max_batch 8 and no deadline: a lone request waits forever (seed 000's break-it); leaving dequeues it."""
-    with Server(*chat_model, {"name": "static", "max_running": 8, "max_batch": 8}, max_waiting=4) as s:
+    with Server(*chat_model, PolicySpec.of("static", 8, max_batch=8), max_waiting=4) as s:
         body = {"messages": HI, "max_tokens": 4, "stream": stream}
         with pytest.raises(httpx.ReadTimeout):
             with httpx.Client(timeout=httpx.Timeout(10, read=1.0)) as h:

@@ -10,6 +10,7 @@
 #include <ATen/ops/mm.h>
 #include <ATen/record_function.h>
 
+#include "layer_weights.h"
 #include "native.h"
 #include "ops.h"
 #include "products.h"
@@ -109,22 +110,21 @@ static at::Tensor silu(int64_t kind, const at::Tensor& gu) {
   return rounds_x(kind) ? bf16_silu_mul(gu) : silu_mul(gu);
 }
 
-// x [T, hidden] -> the layer's output. weights: ln1, ln2, then (w, aux, bias) of the qkv, o, gate/up and down
-// products; kinds: their 4 product kinds. cos, sin [T, D] (sin's first half negated); k_cache, v_cache this layer's
-// cache, rows [T * kv heads] the flat cache rows the step's K/V go to. Attention: `spans` given, each token against
-// its own keys (token_attention, `key_rows` on a paged cache); else decodes in seats [0, seats) against their first
-// `length` keys (rotary_decode_attention, which also rotates and writes them; `bias` [seats, length] additive or
-// none).
+// x [T, hidden] -> the layer's output. weights: LAYER_WEIGHTS of them, as layer_weights.h orders them (the norms',
+// then (w, aux, bias) of the qkv, o, gate/up and down products); kinds: their LAYER_KINDS product kinds. cos, sin
+// [T, D] (sin's first half negated); k_cache, v_cache this layer's cache, rows [T * kv heads] the flat cache rows the
+// step's K/V go to. Attention: `spans` given, each token against its own keys (token_attention, `key_rows` on a
+// paged cache); else decodes in seats [0, seats) against their first `length` keys (rotary_decode_attention, which
+// also rotates and writes them; `bias` [seats, length] additive or none).
 static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::IntArrayRef kinds, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& rows, const Opt& spans, const Opt& key_rows, const Opt& bias, int64_t seats,
                         int64_t length, int64_t heads, double eps, double scale) {
   const int64_t T = x.size(0), KV = k_cache.size(1), D = k_cache.size(3);
-  const auto w = [&](int i) -> const at::Tensor& { return *weights[i]; };
-  const auto p = [&](int j, const at::Tensor& in, const std::optional<at::Tensor>& residual) {
-    return product(kinds[j], in, *weights[2 + 3 * j], weights[3 + 3 * j], weights[4 + 3 * j], residual);
+  const auto p = [&](const LayerProduct& j, const at::Tensor& in, const std::optional<at::Tensor>& residual) {
+    return product(kinds[j.kind], in, *weights[j.w], weights[j.aux], weights[j.bias], residual);
   };
-  const at::Tensor qkv = p(0, norm(kinds[0], x, w(0), eps), std::nullopt);
+  const at::Tensor qkv = p(QKV_PRODUCT, norm(kinds[QKV_KIND], x, *weights[INPUT_NORM], eps), std::nullopt);
   at::Tensor attn;
   if (spans) {
     at::Tensor qk = qkv.narrow(1, 0, (heads + KV) * D).view({T, heads + KV, D});
@@ -145,23 +145,25 @@ static at::Tensor layer(const at::Tensor& x, c10::ArrayRef<Opt> weights, at::Int
     if (bias) b = bias->view({seats, length});
     attn = rotary_decode_attention(qkv, cos, sin, k_cache, v_cache, rows, b, length, heads, scale);
   }
-  const at::Tensor h = p(1, attn.reshape({T, heads * D}), x);
-  const at::Tensor gu = p(2, norm(kinds[2], h, w(1), eps), std::nullopt);
-  return p(3, silu(kinds[3], gu), h);
+  const at::Tensor h = p(O_PRODUCT, attn.reshape({T, heads * D}), x);
+  const at::Tensor gu = p(GATE_UP_PRODUCT, norm(kinds[GATE_UP_KIND], h, *weights[POST_NORM], eps), std::nullopt);
+  return p(DOWN_PRODUCT, silu(kinds[DOWN_KIND], gu), h);
 }
 
-// Layer i of the stack: weights[14 i, 14 i + 14), kinds[4 i, 4 i + 4), k_caches[i], v_caches[i]; the rest as above.
+// Layer i of the stack: weights[LAYER_WEIGHTS i, LAYER_WEIGHTS (i + 1)), kinds[LAYER_KINDS i, LAYER_KINDS (i + 1)),
+// k_caches[i], v_caches[i]; the rest as above.
 at::Tensor layers(const at::Tensor& x, const std::vector<Opt>& weights, at::IntArrayRef kinds, const at::Tensor& cos,
                   const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& rows,
                   const Opt& spans, const Opt& key_rows, const Opt& bias, int64_t seats, int64_t length, int64_t heads,
                   double eps, double scale) {
   const size_t L = k_caches.size();
-  TORCH_CHECK(v_caches.size() == L && weights.size() == 14 * L && kinds.size() == 4 * L,
-              "layers: per layer a K and a V cache, 14 weights (ln1, ln2, 4 x (w, aux, bias)) and 4 product kinds "
-              "are needed");
+  TORCH_CHECK(v_caches.size() == L && weights.size() == LAYER_WEIGHTS * L && kinds.size() == LAYER_KINDS * L,
+              "layers: per layer a K and a V cache, ", LAYER_WEIGHTS, " weights (capabilities()'s layer_weights) and ",
+              LAYER_KINDS, " product kinds are needed");
   at::Tensor h = x;
   for (size_t i = 0; i < L; ++i)
-    h = layer(h, c10::ArrayRef<Opt>(weights).slice(14 * i, 14), kinds.slice(4 * i, 4), cos, sin, k_caches[i],
-              v_caches[i], rows, spans, key_rows, bias, seats, length, heads, eps, scale);
+    h = layer(h, c10::ArrayRef<Opt>(weights).slice(LAYER_WEIGHTS * i, LAYER_WEIGHTS),
+              kinds.slice(LAYER_KINDS * i, LAYER_KINDS), cos, sin, k_caches[i], v_caches[i], rows, spans, key_rows,
+              bias, seats, length, heads, eps, scale);
   return h;
 }

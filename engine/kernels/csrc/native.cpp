@@ -1,6 +1,6 @@
 // Fused fp32 CPU kernels for the steps' small operators (torch.ops.lab.*, registered in ops.cpp). Each replaces
-// several ATen calls (and their temporaries) with one pass over the data, vectorized with ATen's Vectorized<float>
-// (AVX-512, AVX2 or scalar, as built), parallel over rows (native.h's parallel).
+// several ATen calls (and their temporaries) with one pass over the data, vectorized with vec.h's V (AVX-512, AVX2 or
+// scalar, as built), parallel over rows (native.h's parallel).
 #include "native.h"
 #include "ops.h"
 
@@ -69,7 +69,7 @@ void write_rows_(at::Tensor dst, const at::Tensor& rows, const at::Tensor& src) 
   const auto copy = [&](auto* dp) {
     parallel(0, T * Hd, grain_of(D), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)  // float -> at::BFloat16 rounds to nearest even, as Tensor.to does
-        at::vec::convert(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), dp + r[i] * D, D);
+        convert_row(sp + (i / Hd) * src.stride(0) + (i % Hd) * src.stride(1), dp + r[i] * D, D);
     });
   };
   if (dst.scalar_type() == at::kBFloat16)
@@ -88,26 +88,23 @@ at::Tensor first_argmax(const at::Tensor& x) {
   at::Tensor out = at::empty({T}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  const auto most = [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); };  // NaN wins
   parallel(0, T, grain_of(N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* r = xp + t * xs;
-      Vec a[4] = {Vec(-INFINITY), Vec(-INFINITY), Vec(-INFINITY), Vec(-INFINITY)};  // four chains of maxima
+      V a[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};  // four chains of maxima
       int64_t i = 0;
       for (; i + 4 * W <= N; i += 4 * W)
-        for (int j = 0; j < 4; ++j) a[j] = most(a[j], Vec::loadu(r + i + j * W));
-      for (; i + W <= N; i += W) a[0] = most(a[0], Vec::loadu(r + i));
-      float m = at::vec::vec_reduce_all<float>(most, most(most(a[0], a[1]), most(a[2], a[3])));
+        for (int j = 0; j < 4; ++j) a[j] = maximum(a[j], load(r + i + j * W));  // NaN wins
+      for (; i + W <= N; i += W) a[0] = maximum(a[0], load(r + i));
+      float m = largest(maximum(maximum(a[0], a[1]), maximum(a[2], a[3])));
       for (; i < N; ++i) m = std::isnan(r[i]) || r[i] > m ? r[i] : m;
       i = 0;
       if (std::isnan(m)) {  // the first NaN is the answer
         while (!std::isnan(r[i])) ++i;
       } else {
-        const Vec mv(m);
-        for (; i + W <= N; i += W) {
-          const int missing = Vec::loadu(r + i).eq(mv).zero_mask();  // bit l: lane l is not the maximum
-          if (missing != (1 << W) - 1) break;
-        }
+        const V mv = splat(m);
+        for (; i + W <= N; i += W)
+          if (any_equal(load(r + i), mv)) break;
         while (r[i] != m) ++i;  // within the vector found, or the tail
       }
       op[t] = i;

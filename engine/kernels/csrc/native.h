@@ -1,10 +1,8 @@
-// What the kernels' sources share: the vector layer (vec.h), ATen's vector type and width, the size below which a loop
-// stays on one thread, the parallel split, the argument check, dot and axpy.
+// What the kernels' sources share: the vector layer (vec.h), the size below which a loop stays on one thread, the
+// parallel split, the argument check, and rows of floats: reductions, dot, axpy, norm, SiLU x up, rotary.
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -18,8 +16,6 @@
 
 #include "vec.h"
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t W = Vec::size();
 constexpr int64_t GRAIN = 1 << 15;  // floats of work below which a loop stays on one thread
 
 // Items per thread at least, for items of `work` floats each: `per` floats' worth, at least one (an empty item
@@ -45,18 +41,54 @@ static inline void check(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, ": its last dimension must be contiguous");
 }
 
+// op over p [n] (n > 0) down to one float, as ATen's reduce_all: lane-wise over V after V (the last one's first
+// n % W lanes alone), then across lanes by `lanes`; fewer than W floats: lane after lane.
+template <class Op, class Lanes>
+static inline float reduce(const float* p, int64_t n, const Op& op, const Lanes& lanes) {
+  float a[W], b[W];
+  if (n < W) {
+    V acc = load(p, n);
+    store(acc, a);
+    for (int64_t i = 1; i < n; ++i) {
+      std::fill_n(b, W, 0.f);
+      b[0] = a[i];
+      acc = op(acc, load(b));
+    }
+    store(acc, a);
+    return a[0];
+  }
+  V acc = load(p);
+  int64_t d = W;
+  for (; d < n - n % W; d += W) acc = op(acc, load(p + d));
+  if (d < n) {  // lanes [0, n - d) of op(acc, the rest), the others acc's
+    store(acc, a);
+    store(op(acc, load(p + d, n - d)), b);
+    std::copy_n(b, n - d, a);
+    acc = load(a);
+  }
+  return lanes(acc);
+}
+
+static inline float reduce_sum(const float* p, int64_t n) {
+  return reduce(p, n, [](V x, V y) { return add(x, y); }, [](V x) { return sum(x); });
+}
+
+static inline float reduce_max(const float* p, int64_t n) {  // NaN wins
+  return reduce(p, n, [](V x, V y) { return maximum(x, y); }, [](V x) { return largest(x); });
+}
+
 static inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
+  V acc = splat(0.f);
   int64_t d = 0;
-  for (; d + W <= n; d += W) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
-  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d + W <= n; d += W) acc = fma(load(a + d), load(b + d), acc);
+  float s = sum(acc);
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
 }
 
 static inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a * x
   int64_t d = 0;
-  for (; d + W <= n; d += W) at::vec::fmadd(Vec(a), Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d + W <= n; d += W) store(fma(splat(a), load(x + d), load(y + d)), y + d);
   for (; d < n; ++d) y[d] += a * x[d];
 }
 
@@ -64,7 +96,7 @@ static inline void axpy(float a, const float* x, float* y, int64_t n) {  // y +=
 static inline void norm_row(const float* r, const float* w, int64_t N, float eps, float* o) {
   const float inv = 1.f / std::sqrt(dot(r, r, N) / N + eps);
   int64_t d = 0;
-  for (; d + W <= N; d += W) (Vec::loadu(r + d) * Vec(inv) * Vec::loadu(w + d)).store(o + d);
+  for (; d + W <= N; d += W) store(mul(mul(load(r + d), splat(inv)), load(w + d)), o + d);
   for (; d < N; ++d) o[d] = r[d] * inv * w[d];
 }
 
@@ -72,8 +104,8 @@ static inline void norm_row(const float* r, const float* w, int64_t N, float eps
 static inline void silu_row(const float* g, const float* u, int64_t I, float* o) {
   int64_t d = 0;
   for (; d + W <= I; d += W) {
-    Vec x = Vec::loadu(g + d);
-    (x / (Vec(1.f) + x.neg().exp()) * Vec::loadu(u + d)).store(o + d);
+    const V x = load(g + d);
+    store(mul(div(x, add(splat(1.f), exp(neg(x)))), load(u + d)), o + d);
   }
   for (; d < I; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
 }
@@ -83,9 +115,9 @@ static inline void rotate_row(const float* x, const float* c, const float* s, in
   const int64_t h = D / 2;
   int64_t d = 0;
   for (; d + W <= h; d += W) {
-    const Vec a = Vec::loadu(x + d), b = Vec::loadu(x + h + d);
-    at::vec::fmadd(a, Vec::loadu(c + d), b * Vec::loadu(s + d)).store(o + d);
-    at::vec::fmadd(b, Vec::loadu(c + h + d), a * Vec::loadu(s + h + d)).store(o + h + d);
+    const V a = load(x + d), b = load(x + h + d);
+    store(fma(a, load(c + d), mul(b, load(s + d))), o + d);
+    store(fma(b, load(c + h + d), mul(a, load(s + h + d))), o + h + d);
   }
   for (; d < h; ++d) {
     const float a = x[d], b = x[h + d];
@@ -93,6 +125,10 @@ static inline void rotate_row(const float* x, const float* c, const float* s, in
     o[h + d] = b * c[h + d] + a * s[h + d];
   }
 }
+
+// dst [n] = src: copied (float), or rounded to bf16 (nearest even), as Tensor.to rounds.
+static inline void convert_row(const float* src, float* dst, int64_t n) { std::copy_n(src, n, dst); }
+static inline void convert_row(const float* src, c10::BFloat16* dst, int64_t n) { narrow_bf16(src, dst, n); }
 
 // f(begin, end) over [begin, end) in contiguous chunks, one per thread (torch's number, at most one per `grain`):
 // one OpenMP region, without at::parallel_for's per-call copy of thread-local state (the fused kernels need none).

@@ -6,18 +6,22 @@
 #include <tuple>
 #include <vector>
 
+#include "layer_weights.h"
 #include "native.h"
 #include "ops.h"
 #include "products.h"
 
 // (the instruction set the build is compiled for: AVX512, AVX2 or scalar; whether Q4_1's integer products
-// (AVX512-VNNI) and the bf16 dot products (AVX512-BF16) run here; lab.layers' product kinds, in enum order)
-static std::tuple<std::string, bool, bool, std::vector<std::string>> capabilities() {
-  return {ISA, q4_1_fixed_point(), bf16_native(), {std::begin(PRODUCT_NAMES), std::end(PRODUCT_NAMES)}};
+// (AVX512-VNNI) and the bf16 dot products (AVX512-BF16) run here; lab.layers' product kinds, in enum order; the
+// names of a layer's weights lab.layers takes, in order)
+static std::tuple<std::string, bool, bool, std::vector<std::string>, std::vector<std::string>> capabilities() {
+  return {ISA, q4_1_fixed_point(), bf16_native(), {std::begin(PRODUCT_NAMES), std::end(PRODUCT_NAMES)},
+          {std::begin(LAYER_WEIGHT_NAMES), std::end(LAYER_WEIGHT_NAMES)}};
 }
 
 TORCH_LIBRARY(lab, m) {
-  m.def("capabilities() -> (str isa, bool q4_1_vnni, bool bf16_dot, str[] products)", capabilities);
+  m.def("capabilities() -> (str isa, bool q4_1_vnni, bool bf16_dot, str[] products, str[] layer_weights)",
+        capabilities);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("first_argmax(Tensor x) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");

@@ -1,13 +1,20 @@
-// The vector layer of every kernel: vec_avx512.h, vec_avx2.h or vec_scalar.h, as the build's flags choose
-// (CPU_CAPABILITY_AVX512 or CPU_CAPABILITY_AVX2, set by engine/kernels/build.py; neither: scalar). Each defines ISA
-// (the build's name), F (one fp32 value of each of a weight tile's TILE rows, a lane each) with its arithmetic and
-// loads (bf16 pairs widened: evens, odds; bit fields of each row's 4 bytes: Words, bits), a tile kernel's shape and
-// the FMA kernels' (FMA_TILES, FMA_ROWS); vec_avx512.h also the bf16 dot products (LAB_BF16) and the byte dot
-// products of Q4_1 in fixed point (LAB_VNNI).
+// The vector layer of every kernel: vec_avx512.h, vec_avx2.h or vec_scalar.h, each compiled only for its own build
+// (engine/kernels/build.py's flags choose). Each defines ISA (the build's name) and two vector types with their
+// operations:
+// - F: one fp32 value of each of a weight tile's TILE rows, a lane each (zero, all, floats16, fma, add, sub, mul,
+//   store; fp16 widened: halves; bf16 pairs widened: evens, odds; int8: bytes; bit fields of each row's 4 bytes:
+//   Words, bits; Q4_1's codes: Nibbles), a tile kernel's shape (ACC, RMAX) and the FMA kernels' (FMA_TILES, FMA_ROWS);
+// - V: W floats, the width of one register (load, splat, store, add, sub, mul, div, fma, neg, maximum, exp, exp_le0;
+//   lanes reduced: sum, largest; any_equal; bf16 widened by load, narrowed by narrow_bf16), and attention's grouped
+//   reads (SPLIT_PAIRS: bf16 rows read as evens and odds, split_pairs, split_floats, store_merged; SUM4: four dot
+//   products reduced together, sum4);
+// vec_avx512.h also the bf16 dot products (LAB_BF16) and the byte dot products of Q4_1 in fixed point (LAB_VNNI).
 #pragma once
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -17,10 +24,6 @@ constexpr int64_t TILE = 16;  // rows of a packed weight tile (GGUF and bf16 pro
 #define UNROLL _Pragma("GCC unroll 16")  // loops over a kernel's tiles and rows: its sums stay in registers
 #define NO_UNROLL _Pragma("GCC unroll 1")  // a K-quant super-block's outer loop: 256 weights unrolled compile for minutes
 
-#if defined(CPU_CAPABILITY_AVX512)
 #include "vec_avx512.h"
-#elif defined(CPU_CAPABILITY_AVX2)
 #include "vec_avx2.h"
-#else
 #include "vec_scalar.h"
-#endif

@@ -1,6 +1,11 @@
-// vec.h for AVX2 builds: F is two 256-bit registers (rows 0-7 and 8-15).
+// vec.h for AVX2 builds: F is two 256-bit registers (rows 0-7 and 8-15), V one.
 #pragma once
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#ifndef SLEEF_STATIC_LIBS
+#define SLEEF_STATIC_LIBS
+#endif
+#include <sleef.h>
 
 constexpr const char* ISA = "AVX2";
 constexpr int ACC = 2;
@@ -69,3 +74,86 @@ ALWAYS_INLINE F bits(const Words& w, int shift, uint32_t mask) {  // each row's 
   return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.a, s), m)),
           _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.b, s), m))};
 }
+
+// V: a register of W floats.
+struct V {
+  __m256 v;
+};
+constexpr int64_t W = 8;
+ALWAYS_INLINE V load(const float* p) { return {_mm256_loadu_ps(p)}; }
+ALWAYS_INLINE V load(const float* p, int64_t n) {  // the first n (< W) floats, zeros after
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return {_mm256_maskload_ps(p, mask)};
+}
+ALWAYS_INLINE V load(const c10::BFloat16* p) {  // W bf16 widened (a shift: exact)
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16))};
+}
+ALWAYS_INLINE V splat(float a) { return {_mm256_set1_ps(a)}; }
+ALWAYS_INLINE void store(V a, float* o) { _mm256_storeu_ps(o, a.v); }
+ALWAYS_INLINE V add(V a, V b) { return {_mm256_add_ps(a.v, b.v)}; }
+ALWAYS_INLINE V sub(V a, V b) { return {_mm256_sub_ps(a.v, b.v)}; }
+ALWAYS_INLINE V mul(V a, V b) { return {_mm256_mul_ps(a.v, b.v)}; }
+ALWAYS_INLINE V div(V a, V b) { return {_mm256_div_ps(a.v, b.v)}; }
+ALWAYS_INLINE V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c, one rounding
+ALWAYS_INLINE V neg(V a) { return {_mm256_xor_ps(_mm256_set1_ps(-0.f), a.v)}; }
+ALWAYS_INLINE V maximum(V a, V b) {  // NaN where either is NaN (all bits set)
+  return {_mm256_or_ps(_mm256_max_ps(a.v, b.v), _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q))};
+}
+ALWAYS_INLINE V exp(V a) { return {Sleef_expf8_u10(a.v)}; }  // within 1 ulp
+ALWAYS_INLINE V exp_le0(V a) { return exp(a); }  // for x <= 0
+// Lanes reduced by op in halves (4 apart, 2, 1), as ATen's vec_reduce_all.
+template <class Op>
+ALWAYS_INLINE float reduce_lanes(V a, const Op& op) {
+  a = op(a, V{_mm256_permute2f128_ps(a.v, a.v, 0x1)});
+  a = op(a, V{_mm256_shuffle_ps(a.v, a.v, 0x4E)});
+  a = op(a, V{_mm256_shuffle_ps(a.v, a.v, 0xB1)});
+  return _mm256_cvtss_f32(a.v);
+}
+ALWAYS_INLINE float sum(V a) { return reduce_lanes(a, [](V x, V y) { return add(x, y); }); }
+ALWAYS_INLINE float largest(V a) { return reduce_lanes(a, [](V x, V y) { return maximum(x, y); }); }
+ALWAYS_INLINE bool any_equal(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)) != 0; }
+
+// 8 floats rounded to bf16, nearest even (a NaN -> 0xFFFF), each in its lane's low half.
+ALWAYS_INLINE __m256i bf16_lanes(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)), u), 16);
+  return _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), r, _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_ORD_Q)));
+}
+// src [n] -> dst [n] rounded to bf16, nearest even: 16 at a time (a NaN -> 0xFFFF), the rest one by one (0x7FC0).
+ALWAYS_INLINE void narrow_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i lo = bf16_lanes(_mm256_loadu_ps(src + i)), hi = bf16_lanes(_mm256_loadu_ps(src + i + 8));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // in order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// Attention reads rows in order, a V at a time, one key after another (SPLIT_PAIRS, SUM4 false); the grouped reads
+// below, never reached in this build, give the same values lane by lane.
+constexpr bool SPLIT_PAIRS = false;
+ALWAYS_INLINE void split_pairs(const c10::BFloat16* p, V& even, V& odd) {  // 2W bf16: evens, odds
+  float e[W], o[W];
+  for (int i = 0; i < W; ++i) e[i] = p[2 * i], o[i] = p[2 * i + 1];
+  even = load(e), odd = load(o);
+}
+ALWAYS_INLINE void split_floats(const float* p, V& even, V& odd) {  // 2W floats: evens, odds
+  float e[W], o[W];
+  for (int i = 0; i < W; ++i) e[i] = p[2 * i], o[i] = p[2 * i + 1];
+  even = load(e), odd = load(o);
+}
+ALWAYS_INLINE void store_merged(V even, V odd, float c, float* o) {  // o [2W] = the values merged back, times c
+  float e[W], d[W];
+  store(mul(even, splat(c)), e), store(mul(odd, splat(c)), d);
+  for (int i = 0; i < W; ++i) o[2 * i] = e[i], o[2 * i + 1] = d[i];
+}
+constexpr bool SUM4 = false;
+ALWAYS_INLINE void sum4(V a, V b, V c, V d, float sc, const float* bias, float* o) {  // o [4]: each sum * sc + bias
+  const V v[4] = {a, b, c, d};
+  for (int j = 0; j < 4; ++j) o[j] = sum(v[j]) * sc + (bias ? bias[j] : 0.f);
+}
+#endif

@@ -1,7 +1,12 @@
-// vec.h for AVX-512 builds: F is one 512-bit register; the bf16 dot products are compiled for AVX512-BF16 (target
-// attribute BF16_TARGET: run only where the CPU has it).
+// vec.h for AVX-512 builds: F and V are one 512-bit register; the bf16 dot products are compiled for AVX512-BF16
+// (target attribute BF16_TARGET: run only where the CPU has it).
 #pragma once
+#if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#ifndef SLEEF_STATIC_LIBS
+#define SLEEF_STATIC_LIBS
+#endif
+#include <sleef.h>
 
 constexpr const char* ISA = "AVX512";
 constexpr int ACC = 4;   // a tile kernel's tiles for one row of x (ACC / rows for more): what the registers hold
@@ -93,5 +98,108 @@ ALWAYS_INLINE F limbs(const I (&s)[4]) {  // s0 + 2^8 s1 + 2^16 (s2 + 2^8 s3) in
   const I s01 = _mm512_add_epi32(s[0], _mm512_slli_epi32(s[1], 8));
   const I s23 = _mm512_add_epi32(s[2], _mm512_slli_epi32(s[3], 8));
   return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(s23), _mm512_set1_ps(0x1p16f), _mm512_cvtepi32_ps(s01))};
+}
+#endif
+
+// V: a register of W floats, F itself.
+using V = F;
+constexpr int64_t W = 16;
+ALWAYS_INLINE V load(const float* p) { return {_mm512_loadu_ps(p)}; }
+ALWAYS_INLINE V load(const float* p, int64_t n) {  // the first n (< W) floats, zeros after
+  return {_mm512_maskz_loadu_ps(static_cast<__mmask16>((1ULL << n) - 1), p)};
+}
+ALWAYS_INLINE V load(const c10::BFloat16* p) {  // W bf16 widened (a shift: exact)
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))};
+}
+ALWAYS_INLINE V splat(float a) { return {_mm512_set1_ps(a)}; }
+ALWAYS_INLINE V div(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+ALWAYS_INLINE V neg(V a) { return {_mm512_xor_ps(_mm512_set1_ps(-0.f), a.v)}; }
+ALWAYS_INLINE V maximum(V a, V b) {  // NaN where either is NaN (all bits set)
+  const __mmask16 nan = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
+  const __m512 ones = _mm512_castsi512_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), nan, -1));
+  return {_mm512_or_ps(_mm512_max_ps(a.v, b.v), ones)};
+}
+ALWAYS_INLINE V exp(V a) { return {Sleef_expf16_u10(a.v)}; }  // within 1 ulp
+// exp(x) for x <= 0 (a score less its row's largest), inlined: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts),
+// exp(r) by Cephes' degree-6 polynomial (within about 1 ulp), times 2^n by scalef (0 below -104; NaN stays NaN).
+ALWAYS_INLINE V exp_le0(V v) {
+  const __m512 x = _mm512_max_ps(_mm512_set1_ps(-104.f), v.v);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return {_mm512_scalef_ps(y, n)};
+}
+// Lanes reduced by op in halves (8 apart, 4, 2, 1), as ATen's vec_reduce_all.
+template <class Op>
+ALWAYS_INLINE float reduce_lanes(V a, const Op& op) {
+  a = op(a, V{_mm512_shuffle_f32x4(a.v, a.v, 0x4E)});
+  a = op(a, V{_mm512_shuffle_f32x4(a.v, a.v, 0xB1)});
+  a = op(a, V{_mm512_shuffle_ps(a.v, a.v, 0x4E)});
+  a = op(a, V{_mm512_shuffle_ps(a.v, a.v, 0xB1)});
+  return _mm512_cvtss_f32(a.v);
+}
+ALWAYS_INLINE float sum(V a) { return reduce_lanes(a, [](V x, V y) { return add(x, y); }); }
+ALWAYS_INLINE float largest(V a) { return reduce_lanes(a, [](V x, V y) { return maximum(x, y); }); }
+ALWAYS_INLINE bool any_equal(V a, V b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ) != 0; }
+
+// 16 floats rounded to bf16, nearest even (a NaN -> 0xFFFF), each in its lane's low half.
+ALWAYS_INLINE __m512i bf16_lanes(__m512 a) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)), u), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_ORD_Q), _mm512_set1_epi32(0xFFFF), r);
+}
+// src [n] -> dst [n] rounded to bf16, nearest even: 32 at a time (a NaN -> 0xFFFF), the rest one by one (0x7FC0).
+ALWAYS_INLINE void narrow_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i lo = bf16_lanes(_mm512_loadu_ps(src + i)), hi = bf16_lanes(_mm512_loadu_ps(src + i + 16));
+    const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi64(order, _mm512_packus_epi32(lo, hi)));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// Attention's rows of bf16 are read split: each 32 values at once, their evens in one V and their odds in the next
+// (a shift and a mask, both exact, instead of a widening shuffle per 16 values).
+constexpr bool SPLIT_PAIRS = true;
+ALWAYS_INLINE void split_pairs(const c10::BFloat16* p, V& even, V& odd) {  // 2W bf16
+  const __m512i x = _mm512_loadu_si512(p);  // lane i: value 2i in its low half, 2i + 1 in its high
+  even = {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
+  odd = {_mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+ALWAYS_INLINE void split_floats(const float* p, V& even, V& odd) {  // 2W floats, as split_pairs splits
+  const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odds = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+  even = {_mm512_permutex2var_ps(a, evens, b)};
+  odd = {_mm512_permutex2var_ps(a, odds, b)};
+}
+ALWAYS_INLINE void store_merged(V even, V odd, float c, float* o) {  // o [2W] = the values merged back, times c
+  const __m512i low = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i high = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const __m512 cv = _mm512_set1_ps(c);
+  _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(even.v, low, odd.v), cv));
+  _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even.v, high, odd.v), cv));
+}
+
+// Four dot products of a block of keys reduced together: o [4] = [sum of a's lanes, b's, c's, d's] * sc + bias [4]
+// (null: none), each by one FMA.
+constexpr bool SUM4 = true;
+ALWAYS_INLINE void sum4(V a, V b, V c, V d, float sc, const float* bias, float* o) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c.v, d.v, 0x44), _mm512_shuffle_f32x4(c.v, d.v, 0xEE));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));  // each 128-bit lane: one vector's four partial sums
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  const __m512i first = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);  // of each lane
+  const __m128 s = _mm512_castps512_ps128(_mm512_permutexvar_ps(first, x));
+  _mm_storeu_ps(o, _mm_fmadd_ps(s, _mm_set1_ps(sc), bias ? _mm_loadu_ps(bias) : _mm_setzero_ps()));
 }
 #endif

@@ -1,5 +1,7 @@
-// vec.h for builds without vector instructions: F is 16 floats, each operation a loop over them.
+// vec.h for builds without vector instructions: F is 16 floats and V 8 (ATen's scalar width), each operation a loop
+// over them.
 #pragma once
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
 
 constexpr const char* ISA = "scalar";
 constexpr int ACC = 1;
@@ -94,3 +96,82 @@ ALWAYS_INLINE F bits(const Words& w, int shift, uint32_t mask) {  // each row's 
   for (int i = 0; i < TILE; ++i) f.v[i] = static_cast<float>(w.v[i] >> shift & mask);
   return f;
 }
+
+// V: W floats (as wide as ATen's scalar Vectorized<float>: sums in its order).
+constexpr int64_t W = 8;
+struct V {
+  float v[W];
+};
+ALWAYS_INLINE V load(const float* p) {
+  V a;
+  std::copy_n(p, W, a.v);
+  return a;
+}
+ALWAYS_INLINE V load(const float* p, int64_t n) {  // the first n (< W) floats, zeros after
+  V a{};
+  std::copy_n(p, n, a.v);
+  return a;
+}
+ALWAYS_INLINE V load(const c10::BFloat16* p) {  // W bf16 widened (exact)
+  V a;
+  for (int i = 0; i < W; ++i) a.v[i] = static_cast<float>(p[i]);
+  return a;
+}
+ALWAYS_INLINE V splat(float x) {
+  V a;
+  std::fill_n(a.v, W, x);
+  return a;
+}
+ALWAYS_INLINE void store(V a, float* o) { std::copy_n(a.v, W, o); }
+template <class Op>
+ALWAYS_INLINE V each(V a, V b, const Op& op) {  // op(a_i, b_i) in lane i
+  for (int i = 0; i < W; ++i) a.v[i] = op(a.v[i], b.v[i]);
+  return a;
+}
+ALWAYS_INLINE V add(V a, V b) { return each(a, b, [](float x, float y) { return x + y; }); }
+ALWAYS_INLINE V sub(V a, V b) { return each(a, b, [](float x, float y) { return x - y; }); }
+ALWAYS_INLINE V mul(V a, V b) { return each(a, b, [](float x, float y) { return x * y; }); }
+ALWAYS_INLINE V div(V a, V b) { return each(a, b, [](float x, float y) { return x / y; }); }
+ALWAYS_INLINE V fma(V a, V b, V c) { return add(mul(a, b), c); }  // a * b + c, two roundings
+ALWAYS_INLINE V neg(V a) { return each(a, a, [](float x, float) { return -x; }); }
+ALWAYS_INLINE float maximum(float x, float y) { return std::isnan(x) ? x : x > y ? x : y; }  // NaN wins
+ALWAYS_INLINE V maximum(V a, V b) { return each(a, b, [](float x, float y) { return maximum(x, y); }); }
+ALWAYS_INLINE V exp(V a) { return each(a, a, [](float x, float) { return std::exp(x); }); }
+ALWAYS_INLINE V exp_le0(V a) { return exp(a); }  // for x <= 0
+ALWAYS_INLINE float sum(V a) {  // lane after lane, as ATen's vec_reduce_all
+  float s = a.v[0];
+  for (int i = 1; i < W; ++i) s = s + a.v[i];
+  return s;
+}
+ALWAYS_INLINE float largest(V a) {
+  float m = a.v[0];
+  for (int i = 1; i < W; ++i) m = maximum(m, a.v[i]);
+  return m;
+}
+ALWAYS_INLINE bool any_equal(V a, V b) {
+  bool any = false;
+  for (int i = 0; i < W; ++i) any |= a.v[i] == b.v[i];
+  return any;
+}
+ALWAYS_INLINE void narrow_bf16(const float* src, c10::BFloat16* dst, int64_t n) {  // nearest even (a NaN: 0x7FC0)
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+// Attention reads rows in order, a V at a time, one key after another (SPLIT_PAIRS, SUM4 false); the grouped reads
+// below, never reached in this build, give the same values lane by lane.
+constexpr bool SPLIT_PAIRS = false;
+ALWAYS_INLINE void split_pairs(const c10::BFloat16* p, V& even, V& odd) {  // 2W bf16: evens, odds
+  for (int i = 0; i < W; ++i) even.v[i] = p[2 * i], odd.v[i] = p[2 * i + 1];
+}
+ALWAYS_INLINE void split_floats(const float* p, V& even, V& odd) {  // 2W floats: evens, odds
+  for (int i = 0; i < W; ++i) even.v[i] = p[2 * i], odd.v[i] = p[2 * i + 1];
+}
+ALWAYS_INLINE void store_merged(V even, V odd, float c, float* o) {  // o [2W] = the values merged back, times c
+  for (int i = 0; i < W; ++i) o[2 * i] = even.v[i] * c, o[2 * i + 1] = odd.v[i] * c;
+}
+constexpr bool SUM4 = false;
+ALWAYS_INLINE void sum4(V a, V b, V c, V d, float sc, const float* bias, float* o) {  // o [4]: each sum * sc + bias
+  const V v[4] = {a, b, c, d};
+  for (int j = 0; j < 4; ++j) o[j] = sum(v[j]) * sc + (bias ? bias[j] : 0.f);
+}
+#endif

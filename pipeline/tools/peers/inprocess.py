@@ -5,11 +5,12 @@ import time
 import numpy as np
 from omegaconf import OmegaConf
 
-from engine.config import compose_config, engine_weights, load_configured_model
 from engine.core.request import SamplingParams
 from engine.engine import LLMEngine
-from engine.model.forward import FlatModel
+from engine.factory import build_engine
 from engine.model.loader import eos_ids
+from engine.specs import PolicySpec
+from pipeline.config import build_net, compose_config, load_source
 from pipeline.measuring.accuracy import greedy_agreement
 
 LAB = "lab (engine in-process)"
@@ -64,9 +65,9 @@ def lab_engine(cfg, level: str, seats: int, seat_tokens: int) -> LLMEngine:
     """The lab's engine at precision `level` as its server runs it: `seats` requests at once, continuous batching."""
     lcfg = OmegaConf.create(OmegaConf.to_container(cfg))
     lcfg.precision = compose_config([f"model={cfg.model.name}", f"precision={level}"]).precision
-    source, _ = load_configured_model(lcfg)
-    net = FlatModel(source, **engine_weights(lcfg))
-    return LLMEngine(net, {"name": "continuous", "max_running": seats}, seat_tokens, eos_ids(net))
+    source, _ = load_source(lcfg)
+    net = build_net(source, lcfg)
+    return build_engine(net, PolicySpec("continuous", seats), seat_tokens, eos_ids=eos_ids(net))
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> str:

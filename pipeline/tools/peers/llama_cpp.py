@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.machine import cpu_units
+from engine.hardware import cpu_units
 from engine.model.loader import gguf_path
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.servers import dies_with_parent, free_port, measure, running, stop, wait_ready

@@ -4,7 +4,7 @@ in-process against in-process."""
 import datetime
 from pathlib import Path
 
-from engine.config import ROOT
+from pipeline.config import ROOT
 from pipeline.reporting.tables import accuracy_of, fmt
 
 LAB = "lab"  # the lab's rows' backend prefix: "lab (engine server)", "lab (engine in-process)"

@@ -4,14 +4,16 @@ import random
 
 import pytest
 
-from engine import LLMEngine, RequestError, SamplingParams
-from engine.config import kv_config, policy_config
+from engine import RequestError, SamplingParams
 from engine.core import kv_blocks
 from engine.core.kv_blocks import BlockManager
 from engine.core.outputs import RunnerOutput
 from engine.core.policies import make_scheduler
 from engine.core.request import Request, Status
 from engine.core.simulator import CostModel, SimRunner, VirtualClock
+from engine.factory import build_engine
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec, policy_spec
 
 
 def span(seq):
@@ -185,7 +187,7 @@ def req(rid, prompt_len, max_new=4, first=3):
 
 
 def paged(policy, num_blocks, block_size=4, watermark=1, prefix_caching=True):
-    s = make_scheduler(policy_config(policy), max_request_tokens=256)
+    s = make_scheduler(policy_spec(policy), max_request_tokens=256)
     s.use_blocks(BlockManager(num_blocks, block_size, watermark, prefix_caching))
     return s
 
@@ -200,14 +202,14 @@ def step(s, now=0.0, token=7):
 @pytest.mark.parametrize("watermark, admitted", [(1, 3), (2, 2)])
 def test_admission_asks_for_blocks_above_the_watermark(watermark, admitted):
     """Prompts of 12 tokens take 3 blocks of 4 each; a pool of 10 keeps `watermark` free at admission."""
-    s = paged({"name": "continuous", "max_running": 8}, 10, watermark=watermark)
+    s = paged(PolicySpec.of("continuous", 8), 10, watermark=watermark)
     for i in range(4):
         s.add(req(str(i), 12, first=100 * i))
     assert len(s.schedule(0.0).new_ids) == admitted and len(s.waiting) == 4 - admitted
 
 
 def test_max_running_still_caps_the_running_requests():
-    s = paged({"name": "continuous", "max_running": 2}, 100)
+    s = paged(PolicySpec.of("continuous", 2), 100)
     for i in range(3):
         s.add(req(str(i), 5, first=100 * i))
     assert step(s).new_ids == ("0", "1")
@@ -216,7 +218,7 @@ def test_max_running_still_caps_the_running_requests():
 def test_the_newest_running_request_is_preempted_and_resumes_with_its_output():
     """Three requests of 4-token prompts (one block each) on 5 blocks: at the 5th token each needs a second block;
     the newest gives its block up, waits at the front of the queue, then prefills prompt + output and continues."""
-    s = paged({"name": "continuous", "max_running": 3}, 5, watermark=0, prefix_caching=False)
+    s = paged(PolicySpec.of("continuous", 3), 5, watermark=0, prefix_caching=False)
     for i in range(3):
         s.add(req(str(i), 4, max_new=8, first=100 * i))
     s.add(req("late", 4, first=500))
@@ -245,7 +247,7 @@ def test_the_newest_running_request_is_preempted_and_resumes_with_its_output():
 def test_preempted_requests_wait_ahead_of_new_ones_oldest_first():
     """Three prompts of one block each fill a pool of 3; after their first token the oldest needs a second block:
     the newest is preempted for it, then the middle one, needing one too, preempts itself."""
-    s = paged({"name": "continuous", "max_running": 4}, 3, watermark=0, prefix_caching=False)
+    s = paged(PolicySpec.of("continuous", 4), 3, watermark=0, prefix_caching=False)
     for i in range(3):
         s.add(req(str(i), 4, max_new=8, first=100 * i))
     step(s)
@@ -258,18 +260,17 @@ def test_preempted_requests_wait_ahead_of_new_ones_oldest_first():
 def test_request_level_policies_refuse_paged_kv():
     for name in ("static", "dynamic", "bucketed"):
         with pytest.raises(ValueError, match=f"'{name}'.*kv=slot"):
-            paged({"name": name, "max_running": 4, "max_batch": 4}, 16)
+            paged(policy_spec(name, max_running=4, max_batch=4), 16)
 
 
 def sim_engine(policy, kv, max_request_tokens=256):
     clock = VirtualClock()
-    return LLMEngine(None, policy, max_request_tokens,
-                     runner=SimRunner(CostModel(0.01, {"num_prompt_tokens": 1e-4}), clock),
-                     clock=clock, kv=kv)
+    return build_engine(None, policy, max_request_tokens,
+                        runner=SimRunner(CostModel(0.01, {"num_prompt_tokens": 1e-4}), clock), clock=clock, kv=kv)
 
 
 def test_a_request_beyond_the_pool_is_refused_at_once():
-    eng = sim_engine({"name": "continuous", "max_running": 4}, {"name": "paged", "num_blocks": 10, "block_size": 4})
+    eng = sim_engine(PolicySpec.of("continuous", 4), kv_spec("paged", num_blocks=10, block_size=4))
     assert eng.scheduler.blocks.watermark == 1
     eng.validate([5] * 30, SamplingParams(max_new_tokens=6))  # 36 tokens: 9 blocks, all the pool admits
     with pytest.raises(RequestError, match="10 KV blocks of 4; the pool can admit 9 for one request") as err:
@@ -279,23 +280,23 @@ def test_a_request_beyond_the_pool_is_refused_at_once():
 
 def test_kv_settings_fail_clearly():
     with pytest.raises(ValueError, match="choose one of \\['cat', 'paged', 'slot'\\]"):
-        kv_config("pages")
+        kv_spec("pages")
     with pytest.raises(ValueError, match="kv.block_size = 0"):
-        kv_config({"name": "paged", "block_size": 0})
+        kv_spec("paged", block_size=0)
     with pytest.raises(ValueError, match="no field \\['block_size'\\]"):
-        kv_config({"name": "slot", "block_size": 16})
+        kv_spec("slot", block_size=16)
     with pytest.raises(ValueError, match="memory_mb needs the model"):
-        sim_engine({"name": "continuous", "max_running": 4}, {"name": "paged", "memory_mb": 1})
-    assert kv_config("paged")["prefix_caching"] is True
-    eng = sim_engine({"name": "continuous", "max_running": 4}, "paged", max_request_tokens=100)
+        sim_engine(PolicySpec.of("continuous", 4), kv_spec("paged", memory_mb=1))
+    assert kv_spec("paged").prefix_caching is True
+    eng = sim_engine(PolicySpec.of("continuous", 4), kv_spec("paged"), max_request_tokens=100)
     assert eng.scheduler.blocks.num_blocks == 4 * 7 + 1  # 4 seats x 100 tokens in blocks of 16, + the watermark
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 8}, {"name": "mixed", "max_running": 8},
-                                    {"name": "chunked", "max_running": 8, "token_budget": 24}],
+@pytest.mark.parametrize("policy", [PolicySpec.of("continuous", 8), PolicySpec.of("mixed", 8),
+                                    PolicySpec.of("chunked", 8, token_budget=24)],
                          ids=["continuous", "mixed", "chunked"])
 def test_a_tight_pool_in_simulation_preempts_and_finishes_everything(policy):
-    eng = sim_engine(policy, {"name": "paged", "num_blocks": 24, "block_size": 4})
+    eng = sim_engine(policy, kv_spec("paged", num_blocks=24, block_size=4))
     rng = random.Random(1)
     reqs = [eng.add_request(str(i), list(range(3, 11)) + [rng.randint(3, 9) for _ in range(rng.randint(1, 12))],
                             SamplingParams(max_new_tokens=rng.randint(5, 40), ignore_eos=True)) for i in range(12)]
@@ -312,7 +313,7 @@ def test_a_tight_pool_in_simulation_preempts_and_finishes_everything(policy):
 
 def test_a_prefix_hit_skips_its_prompt_tokens():
     """The same 40-token prompt twice, one after the other: the second computes only what the cache lacks."""
-    eng = sim_engine({"name": "continuous", "max_running": 4}, {"name": "paged", "block_size": 16})
+    eng = sim_engine(PolicySpec.of("continuous", 4), kv_spec("paged", block_size=16))
     p = SamplingParams(max_new_tokens=3, ignore_eos=True)
     prompt = list(range(3, 43))
     eng.add_request("a", prompt, p)

@@ -1,12 +1,14 @@
 """Bad input at the engine's API: a clear error naming the field and the limit; nothing admitted half-way."""
 import pytest
 
-from engine import LLMEngine, RequestError, SamplingParams
+from engine import RequestError, SamplingParams
+from engine.factory import build_engine
+from engine.specs import PolicySpec
 
 
 @pytest.fixture()
 def engine(tiny_llama):
-    return LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, max_request_tokens=32, eos_ids=[2])
+    return build_engine(tiny_llama, PolicySpec.of("continuous", 2), max_request_tokens=32, eos_ids=[2])
 
 
 @pytest.mark.parametrize("prompt, params, field, text", [
@@ -45,10 +47,10 @@ def first_fresh(tokens: list[int]) -> int:
 def test_eos_stops_unless_ignored(tiny_llama):
     """EOS ends a request on its first appearance; under ignore_eos it is never emitted (as min_new_tokens does in
     generate) and the request runs to max_new_tokens; a stop token ends it even then."""
-    probe = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, max_request_tokens=64).generate(
+    probe = build_engine(tiny_llama, PolicySpec.of("continuous", 1), max_request_tokens=64).generate(
         [[5, 6]], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     k = first_fresh(probe)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, max_request_tokens=64, eos_ids=[probe[k]])
+    eng = build_engine(tiny_llama, PolicySpec.of("continuous", 2), max_request_tokens=64, eos_ids=[probe[k]])
     free = eng.add_request("free", [5, 6], SamplingParams(max_new_tokens=40))
     forced = eng.add_request("forced", [5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True))
     while eng.has_work():
@@ -67,11 +69,11 @@ def test_eos_stops_unless_ignored(tiny_llama):
 
 
 def test_several_eos_ids_each_stop(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, max_request_tokens=64, eos_ids=[])
+    eng = build_engine(tiny_llama, PolicySpec.of("continuous", 1), max_request_tokens=64, eos_ids=[])
     probe = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     j = first_fresh(probe)
     unused = next(t for t in range(3, 512) if t not in probe)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, max_request_tokens=64,
+    eng = build_engine(tiny_llama, PolicySpec.of("continuous", 1), max_request_tokens=64,
                     eos_ids=[unused, probe[j]])
     out = eng.generate([[5, 6]], SamplingParams(max_new_tokens=30))[0]
     assert out == probe[:j + 1]

@@ -1,9 +1,12 @@
 """Paged KV per layer type without a model: a pool per window (LayerPools) admits, grows, slides and frees together,
 and a memory budget seats as many more requests as the windowed layers' smaller blocks allow."""
+from dataclasses import replace
+
 import pytest
 
 from engine.core.kv_blocks import NULL_BLOCK, BlockManager
 from engine.core.kv_pools import LayerPools, make_pools
+from pipeline.config import kv_spec
 
 
 def span(seq):
@@ -11,8 +14,7 @@ def span(seq):
 
 
 GEMMA_LAYERS = [512] * 5 + [None]  # Gemma 3's pattern: five windowed layers (512 tokens), then a full one
-KV = {"name": "paged", "block_size": 16, "num_blocks": None, "memory_mb": None, "watermark": 0.01,
-      "prefix_caching": True}
+KV = kv_spec("paged", block_size=16, num_blocks=None, memory_mb=None, watermark=0.01, prefix_caching=True)
 
 
 @pytest.mark.parametrize("context", [2048, 8192])
@@ -21,8 +23,8 @@ def test_a_memory_budget_seats_more_requests_where_windowed_layers_keep_their_wi
     full ones the context, so 6 x context / (context + 5 x 528) times more requests fit, less one prompt's blocks
     kept free in the windowed pool (prefilled whole): within 5 %."""
     per_token = 6 * 1024  # 1 KiB per layer and token
-    full = BlockManager.sized({**KV, "memory_mb": 1024}, 1, context, per_token)
-    pools = make_pools({**KV, "memory_mb": 1024}, 1, context, per_token, GEMMA_LAYERS)
+    full = BlockManager.sized(replace(KV, memory_mb=1024), 1, context, per_token)
+    pools = make_pools(replace(KV, memory_mb=1024), 1, context, per_token, GEMMA_LAYERS)
     assert isinstance(pools, LayerPools) and set(pools.pools) == {512, None}
     seats_full = full.num_blocks / (context // 16)
     seats = pools.pools[None].num_blocks / (context // 16)

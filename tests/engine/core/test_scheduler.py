@@ -1,15 +1,16 @@
 """Model-free scheduler tests: hand-made runner outputs, one SchedulerOutput per step."""
 import pytest
 
-from engine.config import policy_config
 from engine.core.outputs import RunnerOutput
 from engine.core.policies import make_scheduler
 from engine.core.request import Request, SamplingParams, Status
+from engine.specs import PolicySpec
+from pipeline.config import policy_spec
 
 
 def make(policy: dict, max_request_tokens: int):
     """A scheduler for a conf/policy entry, its missing knobs at their defaults."""
-    return make_scheduler(policy_config(policy), max_request_tokens)
+    return make_scheduler(policy_spec(policy), max_request_tokens)
 
 
 def req(rid, prompt_len, max_new=4, arrival=0.0):
@@ -25,7 +26,7 @@ def step(s, now, token=7):
 
 
 def test_chunked_budget_splits_prompts_like_vllm():
-    s = make({"name": "chunked", "max_running": 8, "token_budget": 1024}, 2048)
+    s = make(PolicySpec.of("chunked", 8, token_budget=1024), 2048)
     for i in range(3):
         s.add(req(str(i), 800))
     first = step(s, 0.0)
@@ -38,14 +39,14 @@ def test_chunked_budget_splits_prompts_like_vllm():
 
 
 def test_chunk_positions_continue_from_kv_so_far():
-    s = make({"name": "chunked", "max_running": 2, "token_budget": 5}, 64)
+    s = make(PolicySpec.of("chunked", 2, token_budget=5), 64)
     s.add(req("a", 12))
     starts = [step(s, t).chunks[0].start for t in range(3)]
     assert starts == [0, 5, 10]
 
 
 def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
-    s = make({"name": "static", "max_running": 8, "max_batch": 2}, 64)
+    s = make(PolicySpec.of("static", 8, max_batch=2), 64)
     s.add(req("short", 3, max_new=1))
     assert step(s, 0.0).chunks == ()          # no deadline: a lone request waits
     s.add(req("long", 3, max_new=3))
@@ -63,7 +64,7 @@ def test_static_admits_nothing_while_a_batch_runs_and_keeps_zombies():
 
 
 def test_dynamic_launches_at_the_deadline_with_what_is_there():
-    s = make({"name": "dynamic", "max_running": 8, "max_batch": 4, "max_wait_ms": 50}, 64)
+    s = make(PolicySpec.of("dynamic", 8, max_batch=4, max_wait_ms=50), 64)
     s.add(req("a", 3, arrival=0.0))
     assert s.schedule(0.049).chunks == ()
     assert s.wake_time(0.049) == pytest.approx(0.05)
@@ -73,7 +74,7 @@ def test_dynamic_launches_at_the_deadline_with_what_is_there():
 
 
 def test_continuous_refills_a_freed_seat_on_the_next_step():
-    s = make({"name": "continuous", "max_running": 2}, 64)
+    s = make(PolicySpec.of("continuous", 2), 64)
     s.add(req("a", 3, max_new=1))
     s.add(req("b", 3, max_new=5))
     s.add(req("c", 3))
@@ -85,7 +86,7 @@ def test_continuous_refills_a_freed_seat_on_the_next_step():
 
 
 def test_mixed_puts_prompts_and_decodes_in_one_step():
-    s = make({"name": "mixed", "max_running": 4}, 64)
+    s = make(PolicySpec.of("mixed", 4), 64)
     s.add(req("a", 3))
     step(s, 0.0)
     s.add(req("b", 6))
@@ -94,14 +95,14 @@ def test_mixed_puts_prompts_and_decodes_in_one_step():
 
 
 def test_bucketed_oracle_groups_by_true_length():
-    s = make({"name": "bucketed", "max_running": 8, "max_batch": 2, "max_wait_ms": 0}, 256)
+    s = make(PolicySpec.of("bucketed", 8, max_batch=2, max_wait_ms=0), 256)
     for rid, n in [("a", 10), ("b", 200), ("c", 12), ("d", 190)]:
         s.add(req(rid, 3, max_new=n))
     assert set(step(s, 0.0).new_ids) == {"a", "c"}
 
 
 def test_naive_runs_one_at_a_time():
-    s = make({"name": "naive", "max_running": 64}, 64)
+    s = make(PolicySpec.of("naive", 64), 64)
     s.add(req("a", 3, max_new=2))
     s.add(req("b", 3))
     assert step(s, 0.0).new_ids == ("a",)
@@ -110,7 +111,7 @@ def test_naive_runs_one_at_a_time():
 
 
 def test_abort_frees_the_seat_for_the_next_step():
-    s = make({"name": "continuous", "max_running": 1}, 64)
+    s = make(PolicySpec.of("continuous", 1), 64)
     s.add(req("a", 3, max_new=50))
     s.add(req("b", 3))
     step(s, 0.0)
@@ -120,11 +121,11 @@ def test_abort_frees_the_seat_for_the_next_step():
 
 def test_unknown_policy_lists_the_choices():
     with pytest.raises(ValueError, match="chunked"):
-        make({"name": "fastest", "max_running": 1}, 8)
+        PolicySpec.of("fastest", 1)
 
 
 def test_padded_static_batch_schedules_the_padding():
-    s = make({"name": "static", "max_running": 8, "max_batch": 2, "pad_prompts": True}, 64)
+    s = make(PolicySpec.of("static", 8, max_batch=2, pad_prompts=True), 64)
     s.add(req("a", 3))
     s.add(req("b", 10))
     plan = step(s, 0.0)

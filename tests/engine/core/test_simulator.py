@@ -4,10 +4,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from engine import LLMEngine, SamplingParams
-from engine.config import compose_config
+from engine import SamplingParams
 from engine.core.policies import Chunked
 from engine.core.simulator import CostModel, SimRunner, VirtualClock
+from engine.factory import build_engine
+from engine.specs import PolicySpec
+from pipeline.config import compose_config
 from pipeline.measuring.metrics import summarize
 from pipeline.measuring.replay import replay
 from pipeline.modeling.cost_fit import fit
@@ -18,11 +20,11 @@ COST = CostModel(fixed=0.02, coef={"num_prompt_tokens": 0.001, "num_decode_rows"
 
 def sim_engine(policy):
     clock = VirtualClock()
-    return LLMEngine(None, policy, 4096, runner=SimRunner(COST, clock), clock=clock), clock
+    return build_engine(None, policy, 4096, runner=SimRunner(COST, clock), clock=clock), clock
 
 
 def test_one_request_costs_its_prefill_and_decodes():
-    eng, clock = sim_engine({"name": "continuous", "max_running": 4})
+    eng, clock = sim_engine(PolicySpec.of("continuous", 4))
     eng.add_request("a", [1] * 100, SamplingParams(max_new_tokens=5, ignore_eos=True))
     while eng.has_work():
         eng.step()
@@ -31,7 +33,7 @@ def test_one_request_costs_its_prefill_and_decodes():
 
 
 def test_chunked_in_simulation_is_the_same_scheduler():
-    eng, clock = sim_engine({"name": "chunked", "max_running": 4, "token_budget": 64})
+    eng, clock = sim_engine(PolicySpec.of("chunked", 4, token_budget=64))
     assert isinstance(eng.scheduler, Chunked)
     eng.add_request("a", [1] * 100, SamplingParams(max_new_tokens=2, ignore_eos=True))
     while eng.has_work():
@@ -42,7 +44,7 @@ def test_chunked_in_simulation_is_the_same_scheduler():
 def test_static_efficiency_in_simulation_matches_prediction():
     cfg = compose_config(["model=tiny-llama", "+experiment=static_efficiency", "workload.output.sigma=1.2"])
     wl = build(cfg, None, 512)
-    eng, clock = sim_engine({"name": "static", "max_running": 8, "max_batch": 8})
+    eng, clock = sim_engine(PolicySpec.of("static", 8, max_batch=8))
     req, steps, _ = replay(eng, wl, 0.02, wait_until=lambda t: clock.advance_to(eng.t0 + t))
     assert summarize(req, steps)["slot_efficiency"] == pytest.approx(
         predicted_static_efficiency(wl["output_tokens"], 8))
@@ -84,7 +86,7 @@ def test_fit_never_goes_negative():
 
 def test_one_definition_of_step_features():
     """The engine's per-step records carry exactly the features the simulator's clock charges."""
-    eng, clock = sim_engine({"name": "chunked", "max_running": 4, "token_budget": 8})
+    eng, clock = sim_engine(PolicySpec.of("chunked", 4, token_budget=8))
     for i in range(3):
         eng.add_request(str(i), [1] * (5 + 7 * i), SamplingParams(max_new_tokens=3, ignore_eos=True))
     while eng.has_work():
@@ -96,7 +98,7 @@ def test_one_definition_of_step_features():
 def test_dynamic_deadline_is_reached_exactly_on_a_virtual_clock():
     """A lone request under dynamic batching launches at its deadline; the simulation never spins short of it."""
     cfg = compose_config(["model=tiny-llama", "policy=dynamic", "workload.num_requests=1", "load=poisson"])
-    eng, clock = sim_engine({"name": "dynamic", "max_running": 8, "max_batch": 8, "max_wait_ms": 300})
+    eng, clock = sim_engine(PolicySpec.of("dynamic", 8, max_batch=8, max_wait_ms=300))
     wl = build(cfg, None, 512).assign(arrival_steps=[0.1234567])
     req, _, _ = replay(eng, wl, 0.0371, wait_until=lambda t: clock.advance_to(eng.t0 + t))
     assert req["complete"].all() and req["admit"].iloc[0] == pytest.approx(0.1234567 * 0.0371 + 0.3)

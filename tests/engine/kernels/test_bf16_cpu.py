@@ -1,8 +1,8 @@
 """precision=bf16's CPU product (engine/kernels/csrc/bf16.cpp: vdpbf16ps on a CPU with AVX512-BF16, the pairs widened
-and summed with FMA in every other build: tests/engine/kernels/test_builds.py runs this file under each): x rounded to bf16 (nearest
-even), times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of each sum, whatever
-the shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does not depend on the
-rows beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
+and summed with FMA in every other build: tests/engine/kernels/test_builds.py runs this file under each): x rounded to
+bf16 (nearest even), times the bf16 weight, summed in fp32, equals the same product in float64 to fp32 rounding of each
+sum, whatever the shapes (tiles whole and partial), the number of rows, strided x, bias and residual; a row does not
+depend on the rows beside it; the norm and SiLU x up that feed it already rounded give the very same bits."""
 import pytest
 import torch
 

@@ -14,7 +14,7 @@ import torch
 from engine.kernels import build as native
 
 HERE = Path(__file__).parent
-KERNEL_TESTS = ("test_native.py", "test_quant.py", "test_kquants.py", "test_kv_dtype.py",
+KERNEL_TESTS = ("test_native.py", "test_attention.py", "test_quant.py", "test_kquants.py", "test_kv_dtype.py",
                 "test_bf16_cpu.py")  # under every build
 
 
@@ -62,7 +62,7 @@ def test_bf16_products_are_the_same_bits_in_every_build(tmp_path):
 KQUANTS = """
 import sys, numpy as np, torch
 from engine.kernels import build
-from tests.engine.kernels.test_kquants import random_blocks
+from tests.engine.kernels.test_quant import random_blocks
 lab, x = build.ops(), torch.load(sys.argv[1])
 packs = {f: getattr(lab, f"{f}_pack")(torch.from_numpy(random_blocks(f, np.random.default_rng(0), 37, 512)))
          for f in ("q4_k", "q5_0", "q6_k")}

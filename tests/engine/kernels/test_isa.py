@@ -1,4 +1,4 @@
-"""The isa switch (conf/isa/, engine/isa.py): a level composes its environment and kernel build, a process is executed
+"""The isa switch (conf/isa/, pipeline/isa.py): a level composes its environment and kernel build, a process is executed
 again once under it (native: never), a CPU without its units is refused, and the fingerprint and every report
 header say when a run is emulated."""
 import json
@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 from hydra.errors import MissingConfigException
 
-from engine import isa, machine
-from engine.config import compose_config, group_entry
+from engine import hardware
 from engine.kernels import build
+from pipeline import isa
+from pipeline.config import compose_config, group_entry
 from pipeline.measuring.fingerprint import label
 
 ROOT = Path(__file__).resolve().parents[3]
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-AVX512 = {"avx2": True, "avx512f": True, "amx_tile": True}  # engine.machine.cpu_info's flags of a CPU with AMX
+AVX512 = {"avx2": True, "avx512f": True, "amx_tile": True}  # engine.hardware.cpu_info's flags of a CPU with AMX
 AVX2_ONLY = {"avx2": True, "avx512f": False, "amx_tile": False}
 AVX2_NEEDS = group_entry("isa", "avx2")["needs"]  # /proc/cpuinfo flags isa=avx2 asks of a CPU
 
@@ -53,7 +54,7 @@ def test_native_and_a_level_already_held_run_untouched(clean):
     isa.apply(compose_config([]).isa)
     clean.setenv(build.BUILD_VAR, "scalar")  # native narrows nothing and widens nothing
     isa.apply(compose_config([]).isa)
-    clean.setattr(machine, "cpu_units", lambda: set(AVX2_NEEDS))
+    clean.setattr(hardware, "cpu_units", lambda: set(AVX2_NEEDS))
     for k, v in {**AVX2_ENV, build.BUILD_VAR: "AVX2"}.items():
         clean.setenv(k, v)
     isa.apply(compose_config(["isa=avx2"]).isa)
@@ -62,7 +63,7 @@ def test_native_and_a_level_already_held_run_untouched(clean):
 def test_a_level_the_environment_lacks_executes_the_process_again_once(clean):
     calls = []
     clean.setattr(os, "execve", lambda *args: calls.append(args))
-    clean.setattr(machine, "cpu_units", lambda: set(AVX2_NEEDS))
+    clean.setattr(hardware, "cpu_units", lambda: set(AVX2_NEEDS))
     level = compose_config(["isa=avx2"]).isa
     isa.apply(level)
     (path, argv, env), = calls
@@ -77,8 +78,8 @@ def test_a_level_the_environment_lacks_executes_the_process_again_once(clean):
 
 
 def test_a_cpu_without_the_units_fails_naming_what_it_has(clean):
-    clean.setattr(machine, "cpu_units", lambda: {"sse4_2"})
-    clean.setattr(machine, "cpu_info", lambda: ("Old CPU, family 6 model 1", {"avx2": False}))
+    clean.setattr(hardware, "cpu_units", lambda: {"sse4_2"})
+    clean.setattr(hardware, "cpu_info", lambda: ("Old CPU, family 6 model 1", {"avx2": False}))
     with pytest.raises(ValueError) as err:
         isa.apply(compose_config(["isa=avx2"]).isa)
     assert str(AVX2_NEEDS) in str(err.value) and "Old CPU" in str(err.value) and "has no AVX2" in str(err.value)
@@ -106,7 +107,7 @@ def test_the_fingerprint_and_its_label_say_emulated(clean):
 
 @pytest.mark.slow  # a process that imports torch twice and may compile the kernels' AVX2 build
 def test_a_process_under_avx2_runs_torch_and_the_kernels_at_avx2_and_says_so():
-    if not set(AVX2_NEEDS) <= machine.cpu_units():
+    if not set(AVX2_NEEDS) <= hardware.cpu_units():
         pytest.skip(f"this CPU lacks some of isa=avx2's units {AVX2_NEEDS}")
     code = ("import json, os, torch\n"
             "from pipeline.params import load\n"
@@ -126,5 +127,5 @@ def test_a_process_under_avx2_runs_torch_and_the_kernels_at_avx2_and_says_so():
     if shutil.which(build.compiler()):
         assert out["kernels"] == "AVX2"
     assert out["isa"].startswith("avx2 (")
-    if machine.cpu_info()[1]["avx512f"]:
+    if hardware.cpu_info()[1]["avx512f"]:
         assert "emulated" in out["isa"] and "(AVX2, emulated on AVX-512)" in out["label"]

@@ -6,17 +6,18 @@ import os
 import pytest
 import torch
 
-from engine.config import compose_config
+from engine.factory import build_net
 from engine.kernels import choice as kernels
 from engine.model.compiled import keep_inductor_cache
-from engine.model.forward import FlatModel
 from engine.model.hf import generate_alone
-from engine.model.linear import Dense
+from engine.model.layers.linear import Dense
+from engine.specs import PolicySpec, PrecisionSpec
+from pipeline.config import compose_config
 from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 from pipeline.measuring.hardware import kernel_table
 
 CPU = kernels.candidates(torch.device("cpu"), torch.float32)
-POLICIES = [{"name": "continuous", "max_running": 3}, {"name": "chunked", "max_running": 3, "token_budget": 16}]
+POLICIES = [PolicySpec.of("continuous", 3), PolicySpec.of("chunked", 3, token_budget=16)]
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,13 @@ def run_with(net, policy, prompts):
     return run_scenario(net, policy, prompts, LENS, ARRIVE)
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p["name"])
+@pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
 @pytest.mark.parametrize("kind", [*CPU, "per-bucket"])
 def test_every_choice_gives_generates_tokens(references, kind, policy, monkeypatch):
     """Each candidate everywhere, and one differing per bucket (decode rows 1-3 and prompt chunks use different
     products in one run): the tokens of generate."""
     name, model, prompts, ref = references
-    net = FlatModel(model, kernel=None if kind == "per-bucket" else kind)
+    net = build_net(model, kernel=None if kind == "per-bucket" else kind)
     if kind == "per-bucket":
         for d in net.products:
             d.hold(CPU)
@@ -48,7 +49,7 @@ def test_every_choice_gives_generates_tokens(references, kind, policy, monkeypat
 def test_choice_is_measured_once_then_cached(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)  # measure even a tiny model's shapes
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     cached = json.loads((tmp_path / "kernels.json").read_text())
     assert len(cached) == len(net.kernels) >= 4  # one entry per shape: qkv, o, gate-up, down, head
     for shape, c in net.kernels.items():
@@ -59,7 +60,7 @@ def test_choice_is_measured_once_then_cached(tiny_llama, tmp_path, monkeypatch):
         raise AssertionError("measured again although cached")
 
     monkeypatch.setattr(kernels, "measure", no_measuring)
-    again = FlatModel(tiny_llama)
+    again = build_net(tiny_llama)
     assert again.kernels == net.kernels
 
 
@@ -67,7 +68,7 @@ def test_measured_again_a_near_tie_keeps_the_earlier_choice(tiny_llama, tmp_path
     """remeasure: a cached choice within MARGIN of the new fastest stays; one beaten by more is replaced."""
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
-    FlatModel(tiny_llama, kernel=None)
+    build_net(tiny_llama, kernel=None)
     near, far = 1 + kernels.MARGIN / 2, 1 + kernels.MARGIN * 2
 
     def rigged(mats, device, names):  # `linear` fastest everywhere; `in_out` a near tie at 1 row, far behind elsewhere
@@ -79,7 +80,7 @@ def test_measured_again_a_near_tie_keeps_the_earlier_choice(tiny_llama, tmp_path
         entry["choice"] = ["in_out"] * len(kernels.BUCKETS)
     (tmp_path / "kernels.json").write_text(json.dumps(cached))
     monkeypatch.setattr(kernels, "measure", rigged)
-    net = FlatModel(tiny_llama, remeasure=True)
+    net = build_net(tiny_llama, remeasure=True)
     assert all(c["choice"] == ["in_out"] + ["linear"] * (len(kernels.BUCKETS) - 1) for c in net.kernels.values())
 
 
@@ -108,26 +109,26 @@ def test_a_broken_cache_is_measured_again(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
     (tmp_path / "kernels.json").write_text('{"half-writ')
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     assert all(c["ms"] is not None for c in net.kernels.values())
     assert json.loads((tmp_path / "kernels.json").read_text())  # replaced whole
 
 
 def test_small_shapes_keep_the_default_unmeasured(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     default = kernels.default(torch.device("cpu"), torch.float32)
     assert all(c == {"choice": default, "ms": None} for c in net.kernels.values())
     assert not (tmp_path / "kernels.json").exists()
 
 
 def test_only_the_chosen_layouts_are_held(tiny_llama):
-    linear, in_out = FlatModel(tiny_llama, kernel="linear"), FlatModel(tiny_llama, kernel="in_out")
+    linear, in_out = build_net(tiny_llama, kernel="linear"), build_net(tiny_llama, kernel="in_out")
     d, e = linear.layers[0].qkv, in_out.layers[0].qkv
     assert d.w is None and d.packed is None and d.w_out_in is not None
     assert e.w is not None and e.packed is None and e.w_out_in is None
     with pytest.raises(ValueError, match="choose from"):
-        FlatModel(tiny_llama, kernel="cublas")
+        build_net(tiny_llama, kernel="cublas")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def real_references(smollm2):
 @pytest.mark.parametrize("kind", CPU)
 def test_real_model_every_choice(real_references, kind, monkeypatch):
     model, prompts, ref = real_references
-    out = run_with(FlatModel(model, kernel=kind), POLICIES[0], prompts)
+    out = run_with(build_net(model, kernel=kind), POLICIES[0], prompts)
     assert [out[str(i)] for i in range(6)] == ref, kind
 
 
@@ -152,7 +153,7 @@ def test_step_split_finds_each_kind_of_operator(tiny, fused):
     parts with the time outside operators make up the profiled step; the net keeps its kernels afterwards."""
     from pipeline.measuring.hardware import PARTS, step_split
 
-    net = FlatModel(tiny[1])
+    net = build_net(tiny[1])
     ops = net.ops
     split = step_split(net, 4, steps=3, fused=fused)
     assert net.ops is ops
@@ -173,7 +174,7 @@ def test_a_sustained_floor_runs_every_product_once_per_step(tiny_llama, monkeypa
     one warm-up run first unless not `warm`, the time given per step."""
     from pipeline.measuring.timing import step_floor_ms
 
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     calls = []
     product = Dense.product
     monkeypatch.setattr(Dense, "product",
@@ -231,13 +232,13 @@ def test_a_cache_measured_with_other_candidates_is_measured_again(tiny_llama, tm
     """A candidate added since the cache was written (or one that no longer runs) means the shape is measured anew."""
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
-    FlatModel(tiny_llama)
+    build_net(tiny_llama)
     cached = json.loads((tmp_path / "kernels.json").read_text())
     for entry in cached.values():
         for ms in entry["ms"].values():
             del ms[CPU[-1]]
     (tmp_path / "kernels.json").write_text(json.dumps(cached))
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     assert all(set(c["ms"]["1"]) == set(CPU) for c in net.kernels.values())
 
 
@@ -249,7 +250,7 @@ def test_compiled_steps_call_the_packed_products_whole(references, kind, monkeyp
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = references
-    net = FlatModel(model, kernel=kind)
+    net = build_net(model, kernel=kind)
     counters.clear()
     out = run_scenario(net, POLICIES[0], prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, f"{name} {kind}"
@@ -277,19 +278,19 @@ def test_the_kernel_table_names_what_each_level_runs(tiny_llama):
     table = kernel_table(cfg, tiny_llama)
     assert set(table["levels"]) == {"fp32", "bf16"}
     assert "model tiny-llama has none" in table["skipped"]["w4"]
-    net = FlatModel(tiny_llama)
+    net = build_net(tiny_llama)
     fp32 = table["levels"]["fp32"]
     assert list(fp32) == ["head", "qkv", "o", "gate_up", "down"]
     for b in range(len(kernels.BUCKETS)):
         assert fp32["qkv"][b] == net.layers[0].qkv.kernel(b) in kernels.candidates(net.device, net.dtype)
-    bf16 = FlatModel(tiny_llama, weights="bf16")
+    bf16 = build_net(tiny_llama, PrecisionSpec(weights="bf16"))
     assert table["levels"]["bf16"]["qkv"] == [bf16.layers[0].qkv.kernel(b) for b in range(len(kernels.BUCKETS))]
     assert all(k.startswith("bf16") for ks in table["levels"]["bf16"].values() for k in ks)
 
 
 def test_pinned_kernels_run_one_kernel_at_every_row_count(tiny_llama):
     """pin_kernels(b): every product runs bucket b's kernel at any row count (check_precision's decode arithmetic)."""
-    net = FlatModel(tiny_llama, weights="bf16")
+    net = build_net(tiny_llama, PrecisionSpec(weights="bf16"))
     chosen = [d.products[0] for d in net.products]
     net.pin_kernels(0)
     assert [d.products for d in net.products] == [[c] * len(kernels.BUCKETS) for c in chosen]

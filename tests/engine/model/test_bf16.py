@@ -8,11 +8,11 @@ reference's best.
 """
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from engine.config import compose_config
+from engine.factory import load_source
 from engine.model.hf import generate_alone
-from engine.model.loader import load_model
+from engine.specs import PrecisionSpec
+from pipeline.config import compose_config
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, first_divergence, run_scenario, scenario_prompts
 from tests.conftest import TINY, model_cfg
 
@@ -25,7 +25,7 @@ def ulp(x: float) -> float:
 @pytest.fixture(scope="module", params=TINY)
 def bf16(request):
     precision = compose_config(["precision=bf16-cuda", "precision.device=cpu"]).precision
-    model, _ = load_model(model_cfg(request.param), precision.dtype, precision.device)
+    model, _ = load_source(model_cfg(request.param), PrecisionSpec(dtype=precision.dtype, device=precision.device))
     assert next(model.parameters()).dtype == torch.bfloat16
     prompts = scenario_prompts(model, None)
     return request.param, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
@@ -54,9 +54,9 @@ def agreement(label: str, model, prompts, ref, out) -> list[int]:
     return agreed
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_bf16_tokens_agree_up_to_near_ties(bf16, policy):
     name, model, prompts, ref = bf16
-    out = run_scenario(model, OmegaConf.create(policy), prompts, LENS, ARRIVE)
-    agreed = agreement(f"{name} {policy['name']}", model, prompts, ref, out)
-    print(f"{name} {policy['name']} bf16: tokens equal before the first divergence {agreed} of {LENS}")
+    out = run_scenario(model, policy, prompts, LENS, ARRIVE)
+    agreed = agreement(f"{name} {policy.name}", model, prompts, ref, out)
+    print(f"{name} {policy.name} bf16: tokens equal before the first divergence {agreed} of {LENS}")

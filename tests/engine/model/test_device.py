@@ -5,13 +5,13 @@ end in that read-back, nothing earlier."""
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
-from engine.model.forward import FlatModel
+from engine.factory import build_engine, build_net, load_source
 from engine.model.hf import generate_padded
 from engine.model.kv_cache import make_cache
-from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
+from engine.specs import PolicySpec
 from pipeline.measuring.cache import append_s
 from pipeline.measuring.timing import step_floor_ms
 from tests.conftest import TINY, model_cfg
@@ -32,7 +32,7 @@ SAMPLING = {"greedy": SamplingParams(), "ignore_eos": SamplingParams(ignore_eos=
 
 @pytest.fixture(scope="module", params=TINY)
 def meta_model(request):
-    model, _ = load_model(model_cfg(request.param))
+    model, _ = load_source(model_cfg(request.param))
     return model.to("meta")
 
 
@@ -45,7 +45,7 @@ def plan_of(kind: str, params: SamplingParams) -> SchedulerOutput:
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("kind", list(STEPS))
 def test_engine_step_is_device_clean(meta_model, kind, sampling):
-    eng = LLMEngine(meta_model, {"name": "continuous", "max_running": 4}, 64, eos_ids=[2])
+    eng = build_engine(meta_model, PolicySpec.of("continuous", 4), 64, eos_ids=[2])
     with pytest.raises(NotImplementedError, match=READ_BACK):
         eng.runner.run(plan_of(kind, SAMPLING[sampling]))
 
@@ -62,7 +62,7 @@ def test_generate_reference_places_inputs_on_the_model_device(meta_model, monkey
 
 def test_stage_measurements_run_on_the_model_device(meta_model):
     """Timed regions with no read-back run to the end on meta: the probe's step floor and the cache append."""
-    eng = LLMEngine(meta_model, {"name": "continuous", "max_running": 16}, 64)
+    eng = build_engine(meta_model, PolicySpec.of("continuous", 16), 64)
     assert step_floor_ms(eng.runner.net, 4) >= 0
     assert append_s(eng.runner.cache, eng.runner.net, 10) >= 0
     assert eng.runner.cache.k[0].device.type == "meta"
@@ -79,7 +79,7 @@ class HostIndexRunner(ModelRunner):
 def test_a_cpu_tensor_by_mistake_is_caught(meta_model, kind):
     """The check has teeth: the same steps with host-made index tensors fail on a device mismatch, before any
     read-back."""
-    net = FlatModel(meta_model)
+    net = build_net(meta_model)
     runner = HostIndexRunner(net, make_cache("slot", net, 4, 64))
     with pytest.raises(RuntimeError, match="device") as err:
         runner.run(plan_of(kind, SamplingParams()))

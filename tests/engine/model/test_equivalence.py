@@ -6,13 +6,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.core.request import Status
-from engine.model.forward import MLP_ROWS, FlatModel
+from engine.factory import build_engine, build_net
+from engine.model.forward import MLP_ROWS
 from engine.model.hf import generate_alone
 from engine.model.kv_cache import make_cache
 from engine.model.loader import random_model
 from engine.model.runner import ModelRunner
+from engine.specs import PolicySpec
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 
 
@@ -23,12 +25,12 @@ def references(tiny):
     return name, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_seed_scenario_matches_generate(references, policy):
     name, model, prompts, ref = references
     out = run_scenario(model, policy, prompts, LENS, ARRIVE)
     for i, expected in enumerate(ref):
-        assert out[str(i)] == expected, f"{name} {policy['name']}: request {i} differs"
+        assert out[str(i)] == expected, f"{name} {policy.name}: request {i} differs"
 
 
 RANDOM_POLICIES = ["naive", "static", "dynamic", "bucketed", "continuous", "mixed", "chunked-under", "chunked-over"]
@@ -52,22 +54,22 @@ def random_scenario(model, seed: int):
     return _scenarios[seed]
 
 
-def random_policy(name: str, seats: int, rng: random.Random) -> dict:
+def random_policy(name: str, seats: int, rng: random.Random) -> PolicySpec:
     """chunked-under: a token budget (2 or more) below the seat count, so the budget, not the seats, caps the rows
     of a step and decodes can take all of it while prompts wait; chunked-over: a budget above the seat count."""
     if name == "chunked-under":
-        return {"name": "chunked", "max_running": seats + 2, "token_budget": rng.randint(2, seats + 1)}
+        return PolicySpec.of("chunked", seats + 2, token_budget=rng.randint(2, seats + 1))
     if name == "chunked-over":
-        return {"name": "chunked", "max_running": seats, "token_budget": rng.randint(seats + 1, 40)}
+        return PolicySpec.of("chunked", seats, token_budget=rng.randint(seats + 1, 40))
     if name in ("dynamic", "bucketed"):
-        return {"name": name, "max_running": seats, "max_batch": seats, "max_wait_ms": rng.choice([0, 2000, 5000])}
+        return PolicySpec.of(name, seats, max_batch=seats, max_wait_ms=rng.choice([0, 2000, 5000]))
     if name == "static":
-        return {"name": name, "max_running": seats, "max_batch": seats}
-    return {"name": name, "max_running": seats}
+        return PolicySpec.of(name, seats, max_batch=seats)
+    return PolicySpec.of(name, seats)
 
 
 def test_random_arrivals_cover_every_policy():
-    assert {p["name"] for p in POLICIES} == {random_policy(n, 3, random.Random(0))["name"] for n in RANDOM_POLICIES}
+    assert {p.name for p in POLICIES} == {random_policy(n, 3, random.Random(0)).name for n in RANDOM_POLICIES}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -85,7 +87,7 @@ def test_abort_during_a_chunked_prefill_frees_its_seat(tiny_llama):
     """A prompt cut by the token budget is aborted half computed: its seat is free on the next step, the other
     request's tokens are generate's, and a shorter prompt placed in that seat ignores the K/V left there."""
     clock = [0.0]
-    eng = LLMEngine(tiny_llama, {"name": "chunked", "max_running": 2, "token_budget": 8}, max_request_tokens=64,
+    eng = build_engine(tiny_llama, PolicySpec.of("chunked", 2, token_budget=8), max_request_tokens=64,
                     clock=lambda: clock[0])
     prompts = {"other": [20, 21, 22, 23, 24], "long": list(range(100, 130)), "late": [7, 8, 9, 11, 12]}
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
@@ -114,8 +116,8 @@ def long_context_llama():
     return random_model(cfg, seed=1)
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 3},
-                                    {"name": "chunked", "max_running": 3, "token_budget": 1500}],
+@pytest.mark.parametrize("policy", [PolicySpec.of("continuous", 3),
+                                    PolicySpec.of("chunked", 3, token_budget=1500)],
                          ids=["continuous", "chunked"])
 def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, policy):
     """Prompts of 1,100 and 2,100 tokens (1 and 2 whole MLP blocks plus a tail) and a short one, staggered."""
@@ -125,7 +127,7 @@ def test_prompts_longer_than_a_row_block_match_generate(long_context_llama, poli
     lens = [6, 6, 12]
     out = run_scenario(long_context_llama, policy, prompts, lens, {0: [0], 1: [1, 2]}, max_request_tokens=2200)
     for i in range(3):
-        assert out[str(i)] == generate_alone(long_context_llama, prompts[i], lens[i]), f"{policy['name']}: {i}"
+        assert out[str(i)] == generate_alone(long_context_llama, prompts[i], lens[i]), f"{policy.name}: {i}"
 
 
 class WrongPositionsRunner(ModelRunner):
@@ -143,15 +145,15 @@ class WrongPositionsRunner(ModelRunner):
 
 def test_wrong_position_ids_are_caught(references):
     name, model, prompts, ref = references
-    net = FlatModel(model)
+    net = build_net(model)
     runner = WrongPositionsRunner(net, make_cache("slot", net, 3, 256))
-    out = run_scenario(net, {"name": "continuous", "max_running": 3}, prompts, LENS, ARRIVE, runner=runner)
+    out = run_scenario(net, PolicySpec.of("continuous", 3), prompts, LENS, ARRIVE, runner=runner)
     differ = [i for i in range(len(ref)) if out[str(i)] != ref[i]]
     assert differ, f"{name}: broken position ids went unnoticed"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_real_model_seed_scenario(smollm2, policy):
     """Seed 000's test_engine.py on SmolLM2-135M-Instruct: its six chat prompts, three seats."""
     model, tok = smollm2
@@ -172,10 +174,10 @@ def test_compiled_decode_steps_match_generate(references):
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = references
-    net = FlatModel(model)
+    net = build_net(model)
     counters.clear()
-    out = run_scenario(net, {"name": "continuous", "max_running": 3}, prompts, LENS, ARRIVE, compile=True)
-    one = run_scenario(net, {"name": "continuous", "max_running": 1}, prompts[:2], LENS[:2], {0: [0, 1]},
+    out = run_scenario(net, PolicySpec.of("continuous", 3), prompts, LENS, ARRIVE, compile=True)
+    one = run_scenario(net, PolicySpec.of("continuous", 1), prompts[:2], LENS[:2], {0: [0, 1]},
                        compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
     assert [one["0"], one["1"]] == ref[:2], name
@@ -190,8 +192,8 @@ def test_warm_up_compiles_every_kind_of_step_up_front(references):
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = references
-    policy, net = {"name": "continuous", "max_running": 3}, FlatModel(model)
-    assert LLMEngine(net, policy, 256, compile=True).warm_up() > 0
+    policy, net = PolicySpec.of("continuous", 3), build_net(model)
+    assert build_engine(net, policy, 256, compile=True).warm_up() > 0
     counters.clear()
     out = run_scenario(net, policy, prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
@@ -202,7 +204,7 @@ def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
     """A compiler that fails (here: on its first call, as Inductor does without a C++ compiler) leaves the steps
     eager, the reason logged once and kept; the tokens are still those of generate."""
     name, model, prompts, ref = references
-    net = FlatModel(model)
+    net = build_net(model)
 
     def broken(fn, **kw):
         def run(*a, **k):
@@ -211,16 +213,16 @@ def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
         return run
     calls = []
     monkeypatch.setattr(torch, "compile", broken)
-    out = run_scenario(net, {"name": "continuous", "max_running": 3}, prompts, LENS, ARRIVE, compile=True)
+    out = run_scenario(net, PolicySpec.of("continuous", 3), prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
     assert calls == [1] and net.compiled_step.error == "RuntimeError: simulated: no C++ compiler found"
     assert [r.message for r in caplog.records if "eager" in r.message] == [
         "compiled steps failed; running them eager from now on: RuntimeError: simulated: no C++ compiler found"]
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous", "max_running": 5}, {"name": "mixed", "max_running": 5},
-                                    {"name": "dynamic", "max_running": 5, "max_batch": 5, "max_wait_ms": 1500}],
-                         ids=lambda p: p["name"])
+@pytest.mark.parametrize("policy", [PolicySpec.of("continuous", 5), PolicySpec.of("mixed", 5),
+                                    PolicySpec.of("dynamic", 5, max_batch=5, max_wait_ms=1500)],
+                         ids=lambda p: p.name)
 def test_decode_steps_padded_for_graphs_match_generate(references, policy):
     """graphs=True (the shapes CUDA graphs are captured for, run eagerly here): decode steps padded to a power of two
     of seats (3 -> 4 of 5) and a multiple of 128 keys; padded rows write only their seat's last position, which
@@ -233,6 +235,6 @@ def test_decode_steps_padded_for_graphs_match_generate(references, policy):
 def test_left_padding_costs_tokens_not_correctness(references):
     """pad_prompts: the batch's prompts padded to its longest, computed and discarded; the answers do not change."""
     name, model, prompts, ref = references
-    policy = {"name": "static", "max_running": 3, "max_batch": 3, "pad_prompts": True}
+    policy = PolicySpec.of("static", 3, max_batch=3, pad_prompts=True)
     out = run_scenario(model, policy, prompts, LENS, ARRIVE)
     assert all(out[str(i)] == ref[i] for i in range(6)), name

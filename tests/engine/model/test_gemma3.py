@@ -13,14 +13,15 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from engine import LLMEngine
 from engine.core.kv_pools import LayerPools, seat_bytes
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
-from engine.model.forward import FlatModel
+from engine.factory import build_engine, build_net, load_source
 from engine.model.hf import generate_alone
 from engine.model.kv_cache import make_cache
-from engine.model.loader import load_model, prepare, random_model
+from engine.model.loader import prepare, random_model
 from engine.model.runner import ModelRunner
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec, model_spec
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, run_scenario, scenario_prompts
 from tests.engine.model.test_model_support import random_norms
 from tests.engine.model.test_paged import BS, PAGED_ARRIVE, PAGED_LENS, POOLS, paged_prompts, run_paged
@@ -28,7 +29,7 @@ from tests.engine.model.test_paged import POLICIES as PAGED_POLICIES
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = OmegaConf.load(ROOT / "conf/model/tiny-gemma3.yaml")
-REAL = OmegaConf.load(ROOT / "conf/model/gemma3-270m.yaml")
+REAL = model_spec("gemma3-270m")
 NATIVE = [True, False]  # the native CPU kernels (where they build), ATen's operators
 
 
@@ -48,19 +49,19 @@ def gemma():
 
 def test_the_tiny_model_mixes_windows_shorter_than_its_prompts(gemma):
     model, prompts, ref = gemma
-    net = FlatModel(model)
+    net = build_net(model)
     assert net.windows == [6, None, 6] and net.window is None and min(map(len, prompts)) < 6 < max(map(len, prompts))
     assert net.attn_scale == 24 ** -0.5 and net.embed_scale == 8.0
     assert generate_alone(tiny(sliding_window=1024), prompts[5], 12) != ref[5]  # the window changes the tokens
 
 
 @pytest.mark.parametrize("native", NATIVE, ids=["native", "aten"])
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_seed_scenario_matches_generate(gemma, policy, native):
     model, prompts, ref = gemma
-    out = run_scenario(FlatModel(model, native_kernels=native), policy, prompts, LENS, ARRIVE)
+    out = run_scenario(build_net(model, native_kernels=native), policy, prompts, LENS, ARRIVE)
     for i, expected in enumerate(ref):
-        assert out[str(i)] == expected, f"{policy['name']}: request {i} differs"
+        assert out[str(i)] == expected, f"{policy.name}: request {i} differs"
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +73,18 @@ def paged_references(gemma):
 
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-cache"])
-@pytest.mark.parametrize("policy", PAGED_POLICIES, ids=[p["name"] for p in PAGED_POLICIES])
+@pytest.mark.parametrize("policy", PAGED_POLICIES, ids=[p.name for p in PAGED_POLICIES])
 def test_paged_policies_match_generate(paged_references, policy, prefix_caching, pool):
     model, prompts, ref = paged_references
-    kv = {"name": "paged", "block_size": BS, "num_blocks": POOLS[pool], "prefix_caching": prefix_caching}
+    kv = kv_spec("paged", block_size=BS, num_blocks=POOLS[pool], prefix_caching=prefix_caching)
     eng, out, _ = run_paged(model, policy, kv, prompts, PAGED_LENS, PAGED_ARRIVE)
     for i, expected in enumerate(ref):
-        assert out[str(i)] == expected, f"{policy['name']}: request {i} differs"
+        assert out[str(i)] == expected, f"{policy.name}: request {i} differs"
     pools, cache = eng.scheduler.blocks, eng.runner.cache  # a pool per window: the windowed layers' is smaller
     assert isinstance(pools, LayerPools) and set(pools.pools) == {6, None}
     assert [k.shape[0] for k in cache.k] == pools.layer_blocks() and pools.pools[6].window == 6
     assert (eng.scheduler.blocks.hit_tokens > 0) == prefix_caching
-    if pool == "tight" and policy["name"] != "naive":
+    if pool == "tight" and policy.name != "naive":
         assert eng.scheduler.num_preemptions > 0
 
 
@@ -92,7 +93,7 @@ def test_prefill_logits_match_hugging_face(gemma, native):
     """Greedy tokens of a tiny model can hide a small error (GELU's exact form for its tanh one): logits too."""
     model = gemma[0]
     prompt = list(range(3, 43))
-    net = FlatModel(model, native_kernels=native)
+    net = build_net(model, native_kernels=native)
     runner = ModelRunner(net, make_cache("slot", net, 1, 64))
     chunk = ScheduledChunk(rid="r", start=0, tokens=tuple(prompt), sample=True, prompt=True, seat=0)
     inputs = replace(runner.inputs(SchedulerOutput(chunks=(chunk,))), logit_rows=torch.arange(len(prompt)))
@@ -116,7 +117,7 @@ REFUSED = {
 @pytest.mark.parametrize("field", REFUSED)
 def test_unsupported_config_field_is_refused_by_name(field):
     with pytest.raises(ValueError, match=re.escape(field)):
-        FlatModel(tiny(**REFUSED[field]))
+        build_net(tiny(**REFUSED[field]))
 
 
 def test_gemma_fields_stay_refused_for_llama():
@@ -124,7 +125,7 @@ def test_gemma_fields_stay_refused_for_llama():
     for field in ("layer_types", "rope_parameters", "hidden_activation", "sliding_window"):
         cfg.pop(field)
     with pytest.raises(ValueError, match="query_pre_attn_scalar"):
-        FlatModel(random_model(cfg, seed=0))
+        build_net(random_model(cfg, seed=0))
 
 
 def _installed() -> bool:
@@ -139,13 +140,12 @@ needs_real = pytest.mark.skipif(not _installed(), reason=f"the package {REAL.pac
 def real():
     """The real Gemma 3 270M in fp32, prepared from its packages on first use, its tokenizer and one engine model
     for every test (each holds its own copy of the weights)."""
-    cfg = REAL.copy()
-    cfg.path = str(ROOT / cfg.path)
+    cfg = replace(REAL, path=str(ROOT / REAL.path))
     if not (Path(cfg.path) / "config.json").exists():
         prepare(cfg)
     torch.set_num_threads(2)
-    model, tok = load_model(cfg)
-    return cfg, model, tok, FlatModel(model)
+    model, tok = load_source(cfg)
+    return cfg, model, tok, build_net(model)
 
 
 @pytest.mark.slow
@@ -154,13 +154,13 @@ def test_real_model_continues_a_sentence_as_generate_does(real):
     _, model, tok, net = real
     prompt = tok("The capital of France is").input_ids
     assert prompt[0] == tok.bos_token_id
-    out = run_scenario(net, {"name": "continuous", "max_running": 1}, [prompt], [8], {0: [0]})
+    out = run_scenario(net, PolicySpec.of("continuous", 1), [prompt], [8], {0: [0]})
     assert out["0"] == generate_alone(model, prompt, 8) and "France" in tok.decode(out["0"])
 
 
 @pytest.mark.slow
 @needs_real
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_real_model_seed_scenario_matches_generate(real, policy):
     _, model, tok, net = real
     key = "_gemma3_ref"
@@ -183,8 +183,8 @@ def test_real_model_with_a_window_shorter_than_its_prompts_on_paged_kv(real):
     prompts = scenario_prompts(model, tok)[:3]
     lens = LENS[:3]
     longest = max(len(p) + n for p, n in zip(prompts, lens))
-    kv = {"name": "paged", "block_size": BS, "num_blocks": -(-longest // BS) + 2, "prefix_caching": True}
-    eng, out, _ = run_paged(model, {"name": "chunked", "max_running": 3, "token_budget": 16}, kv, prompts, lens,
+    kv = kv_spec("paged", block_size=BS, num_blocks=-(-longest // BS) + 2, prefix_caching=True)
+    eng, out, _ = run_paged(model, PolicySpec.of("chunked", 3, token_budget=16), kv, prompts, lens,
                             {0: [0, 1], 3: [2]})
     assert [out[str(i)] for i in range(3)] == [generate_alone(model, p, n) for p, n in zip(prompts, lens)]
     assert eng.scheduler.num_preemptions > 0
@@ -201,7 +201,7 @@ def test_real_model_seats_four_times_the_requests_at_8k(real):
     layer = net.kv_bytes_per_token // net.num_layers
     more = {c: seat_bytes([None] * 18, c, layer, 16) / seat_bytes(net.windows, c, layer, 16) for c in (2048, 8192)}
     assert more[8192] >= 4.0 and 2.0 <= more[2048] < more[8192]
-    kv = {"name": "paged", "block_size": 16, "num_blocks": None, "memory_mb": 512, "prefix_caching": True}
-    eng = LLMEngine(net, {"name": "continuous", "max_running": 64}, 8192, kv=kv)
+    kv = kv_spec("paged", block_size=16, num_blocks=None, memory_mb=512, prefix_caching=True)
+    eng = build_engine(net, PolicySpec.of("continuous", 64), 8192, kv=kv)
     assert isinstance(eng.scheduler.blocks, LayerPools)
     assert sum(t.numel() * t.element_size() for t in eng.runner.cache.k + eng.runner.cache.v) <= 512 * 2**20

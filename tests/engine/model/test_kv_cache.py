@@ -1,12 +1,15 @@
 """The slot cache holds exactly seats x max_request_tokens x per-token KV bytes and never grows; the cat cache does."""
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
+from engine.factory import build_engine
 from engine.model.kv_cache import CatCache, SlotCache
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec
 
 
 def test_slot_cache_size_is_exact_and_fixed(tiny_llama):
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 3}, max_request_tokens=96)
+    eng = build_engine(tiny_llama, PolicySpec.of("continuous", 3), max_request_tokens=96)
     # tiny-llama: K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes (fp32) = 512 bytes per token
     assert eng.runner.net.kv_bytes_per_token == 512
     expected = 3 * 96 * 512  # seats x max_request_tokens x bytes per token = 147,456 bytes
@@ -27,8 +30,8 @@ def test_write_lands_in_place():
 
 def test_cat_cache_grows_and_gives_the_same_tokens(tiny_llama):
     prompts, p = [[5] * 10, [6] * 17], SamplingParams(max_new_tokens=20, ignore_eos=True)
-    slot = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, 64).generate(prompts, p)
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 2}, 64, kv="cat")
+    slot = build_engine(tiny_llama, PolicySpec.of("continuous", 2), 64).generate(prompts, p)
+    eng = build_engine(tiny_llama, PolicySpec.of("continuous", 2), 64, kv=kv_spec("cat"))
     assert isinstance(eng.runner.cache, CatCache) and eng.runner.cache.nbytes == 0
     assert eng.generate(prompts, p) == slot
     # the last token is never fed back

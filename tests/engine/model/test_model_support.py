@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
-from engine.model.forward import FlatModel
+from engine.factory import build_net
+from engine.kernels import build
 from engine.model.hf import generate_alone
 from engine.model.kv_cache import make_cache
+from engine.model.layers.attention import DenseDecode
 from engine.model.loader import random_model
 from engine.model.runner import ModelRunner
+from engine.model.weights import LAYER_WEIGHTS
+from engine.specs import PolicySpec
+from pipeline.config import policy_spec
 from pipeline.measuring.equivalence import run_scenario
 
 BASE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -39,18 +44,18 @@ def random_norms(model):
     return model
 
 
-def assert_matches_generate(model, policy: dict):
+def assert_matches_generate(model, policy):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    out = run_scenario(model, {**policy, "max_running": 3}, prompts, OUTPUT_LENS, {0: [0, 1], 3: [2]},
+    out = run_scenario(model, replace(policy, max_running=3), prompts, OUTPUT_LENS, {0: [0, 1], 3: [2]},
                        max_request_tokens=64)
     for i, (p, n) in enumerate(zip(prompts, OUTPUT_LENS)):
-        assert out[str(i)] == generate_alone(model, p, n), f"{policy['name']}: request {i}"
+        assert out[str(i)] == generate_alone(model, p, n), f"{policy.name}: request {i}"
 
 
 def prefill_logits_error(model, prompt: list[int]) -> float:
     """Largest |engine - Hugging Face| logit over every position of one whole prompt (the engine's is ~2e-6 here)."""
-    net = FlatModel(model)
+    net = build_net(model)
     runner = ModelRunner(net, make_cache("slot", net, 1, 64))
     chunk = ScheduledChunk(rid="r", start=0, tokens=tuple(prompt), sample=True, prompt=True, seat=0)
     inputs = replace(runner.inputs(SchedulerOutput(chunks=(chunk,))), logit_rows=torch.arange(len(prompt)))
@@ -78,7 +83,7 @@ SUPPORTED = {
 }
 
 
-CHUNKED = {"name": "chunked", "token_budget": 16}  # prompt chunks from later positions, steps of both kinds
+CHUNKED = policy_spec("chunked", token_budget=16)  # prompt chunks from later positions, steps of both kinds
 
 
 @pytest.mark.parametrize("variant", SUPPORTED)
@@ -92,7 +97,7 @@ def test_supported_variation_matches_generate(variant):
     assert prefill_logits_error(model, list(range(3, 43))) < 1e-4
 
 
-@pytest.mark.parametrize("policy", [{"name": "continuous"}, {"name": "dynamic", "max_batch": 3}],
+@pytest.mark.parametrize("policy", [policy_spec("continuous"), policy_spec("dynamic", max_batch=3)],
                          ids=["continuous", "dynamic"])
 @pytest.mark.parametrize("model_type, fields", [SUPPORTED["mistral-window-shorter-than-prompts"],
                                                 SUPPORTED["qwen2-window-on-every-layer"]], ids=["mistral", "qwen2"])
@@ -107,7 +112,7 @@ def test_window_shorter_than_the_prompt_changes_the_tokens():
     full = tiny("mistral", sliding_window=None)
     prompt = list(range(3, 43))
     assert generate_alone(windowed, prompt, 8) != generate_alone(full, prompt, 8)
-    assert FlatModel(windowed).window == 6 and FlatModel(full).window is None
+    assert build_net(windowed).window == 6 and build_net(full).window is None
 
 
 REFUSED = {
@@ -118,7 +123,7 @@ REFUSED = {
     "attn_logit_softcapping": ("mistral", {"attn_logit_softcapping": 50.0}),
     "use_qk_norm": ("llama", {"use_qk_norm": True}),
     "layer_types": ("qwen2", {"use_sliding_window": True, "max_window_layers": 1, "sliding_window": 6}),
-    "model_type": ("qwen3", {}),
+    "model_type": ("olmo2", {}),
 }
 
 
@@ -127,7 +132,7 @@ def test_unsupported_config_field_is_refused_by_name(field):
     model_type, fields = REFUSED[field]
     model = tiny(model_type, **fields)
     with pytest.raises(ValueError, match=re.escape(field)):
-        FlatModel(model)
+        build_net(model)
 
 
 def test_unknown_layer_parameter_is_refused_by_name():
@@ -135,14 +140,14 @@ def test_unknown_layer_parameter_is_refused_by_name():
     model = tiny("llama")
     model.model.layers[1].self_attn.q_norm = torch.nn.LayerNorm(16)
     with pytest.raises(ValueError, match=re.escape("1.self_attn.q_norm.weight")):
-        FlatModel(model)
+        build_net(model)
 
 
 def test_output_projection_bias_is_refused():
     model = tiny("llama")
     model.lm_head.bias = torch.nn.Parameter(torch.ones(512))
     with pytest.raises(ValueError, match=re.escape("lm_head.bias")):
-        FlatModel(model)
+        build_net(model)
 
 
 def test_a_large_shape_is_made_in_its_dtype_with_its_rotary_frequencies():
@@ -157,7 +162,7 @@ def test_a_large_shape_is_made_in_its_dtype_with_its_rotary_frequencies():
     assert torch.equal(model.model.rotary_emb.inv_freq, fresh.inv_freq)
     assert 0.01 < model.model.layers[0].mlp.up_proj.weight.float().std().item() < 0.03
     prompt = torch.randint(3, 512, (9,), generator=torch.Generator().manual_seed(0)).tolist()
-    out = run_scenario(model, {"name": "continuous", "max_running": 1}, [prompt], [6], {0: [0]}, max_request_tokens=32)
+    out = run_scenario(model, PolicySpec.of("continuous", 1), [prompt], [6], {0: [0]}, max_request_tokens=32)
     assert out["0"] == generate_alone(model, prompt, 6)
 
 
@@ -169,14 +174,23 @@ def test_rotary_table_rows_are_the_rotary_modules_own_values(rope):
     """Each eager step's cos and sin are rows of one table (grown as steps reach further): bit-equal to what the
     model's rotary module computes for those positions alone, as a traced step does, the table's growth included."""
     fields = {"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}
-    net = FlatModel(tiny("llama", **fields))
+    net = build_net(tiny("llama", **fields))
     gen = torch.Generator().manual_seed(0)
     for end in (1, 5, 40, 256):
         positions = torch.randint(0, end, (7,), generator=gen)
-        table, own = net._rope(positions, end, traced=False), net._rope(positions, end, traced=True)
-        assert net._rope_table[0].shape[0] >= end
+        table, own = net.rotary.tables(positions, end, traced=False), net.rotary.tables(positions, end, traced=True)
+        assert net.rotary._table[0].shape[0] >= end
         assert torch.equal(table[0], own[0]) and torch.equal(table[1], own[1])
-    cos, sin = net.rotary(net.norm, positions[None])  # and both are the module's, sin's first half negated
+    cos, sin = net.rotary.module(net.norm, positions[None])  # and both are the module's, sin's first half negated
     half = net.head_dim // 2
     assert torch.equal(own[0], cos[0]) and torch.equal(own[1][:, half:], sin[0, :, half:])
     assert torch.equal(own[1][:, :half], -sin[0, :, :half])
+
+
+@pytest.mark.skipif(build.ops() is None, reason="no native kernels")
+def test_the_one_call_layer_takes_the_weights_python_passes():
+    """lab.layers' weights a layer, named by the loaded build (capabilities), are the engine's LAYER_WEIGHTS in order;
+    a tiny Llama's decode step runs through that one call."""
+    assert tuple(build.capabilities()["layer_weights"]) == LAYER_WEIGHTS
+    net = build_net(tiny("llama"))
+    assert net.one_call and net._lab_args(4, DenseDecode(1, 4)) is not None

@@ -7,13 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
-from engine.model.forward import FlatModel
+from engine.factory import build_engine, build_net
 from engine.model.hf import generate_alone
 from engine.model.kv_cache import PagedCache
 from engine.model.loader import eos_ids
 from engine.model.runner import ModelRunner
+from engine.specs import PolicySpec
+from pipeline.config import kv_spec
 from pipeline.measuring.equivalence import ARRIVE, LENS, scenario_prompts
 
 BS = 4  # tokens per block in these tests: short prompts cross many block boundaries
@@ -23,7 +25,7 @@ def attend_through_tables(model, specs, num_blocks=64, seed=0):
     """One attention step of layer 0 on a paged cache. specs: (cached prefix length, new tokens, index of an earlier
     sequence whose prefix blocks this one shares, or None). Tables take blocks in shuffled order; each prefix's K/V
     is written through its table first. Returns (attention output, per-sequence reference from dense SDPA)."""
-    net = FlatModel(model)
+    net = build_net(model)
     cache = PagedCache(net.num_layers, num_blocks, BS, net.num_kv_heads, net.head_dim)
     runner = ModelRunner(net, cache)
     KV, D = net.num_kv_heads, net.head_dim
@@ -76,8 +78,8 @@ def test_attention_through_block_tables_equals_dense_sdpa(tiny, kind):
 
 def test_paged_pool_size_is_the_budget(tiny_llama):
     """1 MiB of tiny-llama K/V (512 bytes per token) in blocks of 16: 128 blocks, allocated once."""
-    eng = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 96,
-                    kv={"name": "paged", "memory_mb": 1, "block_size": 16})
+    eng = build_engine(tiny_llama, PolicySpec.of("continuous", 4), 96,
+                    kv=kv_spec("paged", memory_mb=1, block_size=16))
     assert eng.scheduler.blocks.num_blocks == 128 and eng.runner.cache.nbytes == 2**20
     ptrs = [t.data_ptr() for t in eng.runner.cache.k]
     eng.generate([[5] * 10, [6] * 30], SamplingParams(max_new_tokens=40, ignore_eos=True))
@@ -95,8 +97,8 @@ def paged_prompts(model) -> list[list[int]]:
 
 PAGED_LENS = [25, 8, 12, 20, 30, 14, 6, 18, 9]
 PAGED_ARRIVE = {0: [0, 1, 2], 2: [3, 4], 6: [5, 6], 9: [7, 8]}
-POLICIES = [{"name": "naive", "max_running": 1}, {"name": "continuous", "max_running": 4},
-            {"name": "mixed", "max_running": 4}, {"name": "chunked", "max_running": 4, "token_budget": 7}]
+POLICIES = [PolicySpec.of("naive", 1), PolicySpec.of("continuous", 4),
+            PolicySpec.of("mixed", 4), PolicySpec.of("chunked", 4, token_budget=7)]
 POOLS = {"roomy": 200, "tight": 22}  # tight: the longest request (65 tokens) fits alone, three do not
 
 
@@ -104,7 +106,7 @@ def run_paged(model, policy, kv, prompts, lens, arrive, max_request_tokens=256):
     """Arrivals at given steps (1 s each on a virtual clock), the pool's invariants checked after every step;
     returns (engine, rid -> output, rid -> the tokens its events carried)."""
     clock = [0.0]
-    eng = LLMEngine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], kv=kv)
+    eng = build_engine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], kv=kv)
     reqs, streamed, step = {}, {}, 0
     while step <= max(arrive) or eng.has_work():
         for i in arrive.get(step, []):
@@ -128,18 +130,18 @@ def paged_references(tiny):
 
 @pytest.mark.parametrize("pool", list(POOLS))
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-cache"])
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_paged_policies_match_generate(paged_references, policy, prefix_caching, pool):
     name, model, prompts, ref = paged_references
-    kv = {"name": "paged", "block_size": BS, "num_blocks": POOLS[pool], "prefix_caching": prefix_caching}
+    kv = kv_spec("paged", block_size=BS, num_blocks=POOLS[pool], prefix_caching=prefix_caching)
     eng, out, streamed = run_paged(model, policy, kv, prompts, PAGED_LENS, PAGED_ARRIVE)
     for i, expected in enumerate(ref):
-        assert out[str(i)] == expected, f"{name} {policy['name']}: request {i} differs"
-        assert streamed[str(i)] == expected, f"{name} {policy['name']}: request {i}'s stream differs"
+        assert out[str(i)] == expected, f"{name} {policy.name}: request {i} differs"
+        assert streamed[str(i)] == expected, f"{name} {policy.name}: request {i}'s stream differs"
     steps, blocks = eng.records, eng.scheduler.blocks
     cached = sum(s.cached_tokens for s in steps)
     assert (cached > 0) == prefix_caching and blocks.hit_tokens == cached and blocks.num_free == blocks.num_blocks
-    if pool == "tight" and policy["name"] != "naive":  # naive runs one request: it always fits
+    if pool == "tight" and policy.name != "naive":  # naive runs one request: it always fits
         assert eng.scheduler.num_preemptions > 0 and sum(s.preempted for s in steps) > 0
     if pool == "roomy":  # each prompt prefilled once: the prompt tokens computed drop by the hits
         assert eng.scheduler.num_preemptions == 0
@@ -150,14 +152,14 @@ def test_paged_seed_scenario_matches_generate(tiny):
     """Seed 000's six prompts, staggered, in blocks of the default 16 tokens on the slot cache's memory."""
     name, model = tiny
     prompts = scenario_prompts(model, None)
-    _, out, _ = run_paged(model, {"name": "chunked", "max_running": 3, "token_budget": 16}, "paged", prompts, LENS,
+    _, out, _ = run_paged(model, PolicySpec.of("chunked", 3, token_budget=16), kv_spec("paged"), prompts, LENS,
                           ARRIVE)
     assert [out[str(i)] for i in range(6)] == [generate_alone(model, p, n) for p, n in zip(prompts, LENS)], name
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-cache"])
-@pytest.mark.parametrize("policy", POLICIES[1:], ids=[p["name"] for p in POLICIES[1:]])
+@pytest.mark.parametrize("policy", POLICIES[1:], ids=[p.name for p in POLICIES[1:]])
 def test_real_model_paged_with_preemption(smollm2, policy, prefix_caching):
     """SmolLM2-135M on its six chat prompts (three of them asked twice) in a pool of 8 blocks of 16 tokens:
     preemptions, prefix hits, and generate's tokens."""
@@ -170,7 +172,7 @@ def test_real_model_paged_with_preemption(smollm2, policy, prefix_caching):
         setattr(test_real_model_paged_with_preemption, key,
                 [generate_alone(model, p, n) for p, n in zip(prompts, lens)])
     ref = getattr(test_real_model_paged_with_preemption, key)
-    kv = {"name": "paged", "num_blocks": 8, "prefix_caching": prefix_caching}
+    kv = kv_spec("paged", num_blocks=8, prefix_caching=prefix_caching)
     eng, out, streamed = run_paged(model, policy, kv, prompts, lens, arrive)
     for i in range(len(prompts)):
         assert out[str(i)] == streamed[str(i)] == ref[i], (i, tok.decode(ref[i]), tok.decode(out[str(i)]))

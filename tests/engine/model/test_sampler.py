@@ -5,9 +5,12 @@ import math
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
+from engine.factory import build_engine
 from engine.kernels import build
 from engine.model.sampler import Sampler, first_argmax, token_logprobs
+from engine.specs import PolicySpec
+from pipeline.config import policy_spec
 
 OPS = build.ops()  # the native first_argmax where it builds (it runs on fp32 rows)
 
@@ -54,11 +57,11 @@ def test_sampling_follows_the_distribution():
 def test_seeded_request_is_the_same_alone_or_in_a_batch(tiny_llama):
     p = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     other = SamplingParams(max_new_tokens=20, temperature=1.3, ignore_eos=True)
-    alone = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 64).generate([[5, 6, 7]], p)[0]
-    crowd = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 64).generate(
+    alone = build_engine(tiny_llama, PolicySpec.of("continuous", 4), 64).generate([[5, 6, 7]], p)[0]
+    crowd = build_engine(tiny_llama, PolicySpec.of("continuous", 4), 64).generate(
         [[9, 9], [5, 6, 7], [4] * 8], [other, p, other])
     assert crowd[1] == alone
-    greedy = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 4}, 64).generate(
+    greedy = build_engine(tiny_llama, PolicySpec.of("continuous", 4), 64).generate(
         [[5, 6, 7]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     assert alone != greedy  # sampling really sampled
 
@@ -122,24 +125,24 @@ def test_every_tensor_lives_on_the_logits_device():
         Sampler(seed=0, eos_ids=[2])(logits, ["a", "b", "c"], params, {"b": ([1, 2], [3])})
 
 
-@pytest.mark.parametrize("policy", [{"name": "static", "max_batch": 3}, {"name": "dynamic", "max_batch": 3},
-                                    {"name": "bucketed", "max_batch": 3}])
+@pytest.mark.parametrize("policy", [policy_spec("static", max_batch=3), policy_spec("dynamic", max_batch=3),
+                                    policy_spec("bucketed", max_batch=3)])
 def test_penalised_requests_in_a_held_batch_finish_as_they_would_alone(tiny_llama, policy):
     """A batch that holds its finished rows (zombies) beside penalised ones: every request's tokens are its own, as
     run one at a time."""
     prompts = [[5, 6, 7, 5], [9, 9, 8], [3, 4]]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5,
                              frequency_penalty=0.2) for n in (2, 7, 4)]
-    held = LLMEngine(tiny_llama, policy, 32, eos_ids=[2])
-    alone = LLMEngine(tiny_llama, {"name": "continuous", "max_running": 1}, 32, eos_ids=[2])
+    held = build_engine(tiny_llama, policy, 32, eos_ids=[2])
+    alone = build_engine(tiny_llama, PolicySpec.of("continuous", 1), 32, eos_ids=[2])
     assert held.generate(prompts, params) == [alone.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
 
 
 def test_a_finished_requests_generator_is_released(tiny_llama):
     """Sampled requests' generators go with the requests: once the next batch has run, the first one's are gone,
     zombies of a held batch included (they sample greedily)."""
-    for policy in ({"name": "continuous", "max_running": 4}, {"name": "dynamic", "max_batch": 3, "max_wait_ms": 0}):
-        engine = LLMEngine(tiny_llama, policy, 32, eos_ids=[2])
+    for policy in (PolicySpec.of("continuous", 4), policy_spec("dynamic", max_batch=3, max_wait_ms=0)):
+        engine = build_engine(tiny_llama, policy, 32, eos_ids=[2])
         hot = [SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=1.0, seed=n) for n in (2, 5, 3)]
         engine.generate([[5, 6], [7], [8, 9, 10]], hot)
         engine.step()  # idle: nothing runs, nothing is lost

@@ -8,12 +8,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
-from engine.config import compose_config
+from engine.factory import build_net
 from engine.kernels import build as native
-from engine.model.forward import FlatModel
 from engine.model.gguf import gguf_layers
 from engine.model.hf import generate_alone
 from engine.model.loader import gguf_path, random_model
+from engine.specs import PrecisionSpec
+from pipeline.config import compose_config
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, divergence_gap, run_scenario, scenario_prompts
 from tests.conftest import model_cfg
 
@@ -73,15 +74,15 @@ def test_the_blocks_are_read_in_hugging_faces_row_order(tiny_gguf):
     assert np.array_equal(q, model.model.layers[0].self_attn.q_proj.weight.detach().numpy())
 
 
-@pytest.mark.parametrize("policy", POLICIES, ids=[p["name"] for p in POLICIES])
+@pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_w4_tokens_agree_with_generate_up_to_near_ties(tiny_gguf, policy):
     model, path = tiny_gguf
-    net = FlatModel(model, weights="gguf", gguf=path)
-    assert net.step_bytes < 0.3 * FlatModel(model).step_bytes  # the blocks, not an fp32 copy
+    net = build_net(model, PrecisionSpec(weights="gguf"), path)
+    assert net.step_bytes < 0.3 * build_net(model).step_bytes  # the blocks, not an fp32 copy
     prompts = scenario_prompts(model, None)
     ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
     out = run_scenario(net, policy, prompts, LENS, ARRIVE)
-    assert agrees(model, prompts, ref, out) == [], policy["name"]
+    assert agrees(model, prompts, ref, out) == [], policy.name
 
 
 def test_the_step_split_counts_the_block_products(tiny_gguf):
@@ -90,7 +91,7 @@ def test_the_step_split_counts_the_block_products(tiny_gguf):
     from pipeline.measuring.hardware import step_split
 
     model, path = tiny_gguf
-    parts = step_split(FlatModel(model, weights="gguf", gguf=path), 2, steps=3)["parts"]
+    parts = step_split(build_net(model, PrecisionSpec(weights="gguf"), path), 2, steps=3)["parts"]
     assert parts["matrix products"] > 0 and parts["LM head"] > 0
 
 
@@ -120,9 +121,9 @@ def test_real_model_blocks_are_the_prepared_weights_and_the_scenario_holds(smoll
     assert np.array_equal(quants.dequantize(embed["embed"][0][:100], Q8_0),
                           model.model.embed_tokens.weight[:100].detach().numpy())
     assert {t.tensor_type for t in GGUFReader(str(path)).tensors if t.name.endswith("attn_q.weight")} == {Q4_1}
-    net = FlatModel(model, weights="gguf", gguf=path)
+    net = build_net(model, PrecisionSpec(weights="gguf"), path)
     prompts = scenario_prompts(model, tok)
     ref = [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
     for policy in (POLICIES[0], POLICIES[4], POLICIES[6]):  # naive, continuous, chunked
         out = run_scenario(net, policy, prompts, LENS, ARRIVE)
-        assert agrees(model, prompts, ref, out) == [], policy["name"]
+        assert agrees(model, prompts, ref, out) == [], policy.name

@@ -6,17 +6,17 @@ a process to, for the machine's fingerprint, so an emulated run never passes for
 import os
 import sys
 
-from engine import machine
-from engine.config import group_entry, options
+from engine import hardware
 from engine.kernels.build import BUILD_VAR
 from engine.kernels.choice import ISA_LIMITS
+from pipeline.config import group_entry, options
 
 VARS = (*ISA_LIMITS, BUILD_VAR)  # every environment variable a level sets
 REEXEC = "LAB_ISA_REEXEC"  # "<pid>:<level>": that process was executed again under that level (execve keeps the pid)
 
 
 def vector_unit(flags: dict[str, bool]) -> str:
-    """A CPU's widest vector unit, from engine.machine.cpu_info's flags."""
+    """A CPU's widest vector unit, from engine.hardware.cpu_info's flags."""
     return "AVX-512" if flags.get("avx512f") else "AVX2" if flags.get("avx2") else "no AVX2"
 
 
@@ -31,10 +31,10 @@ def apply(level) -> None:
     the same command is executed again with it set, once. A CPU without the level's units fails naming what it has;
     a process already executed again for another level fails too (one level per process: a Hydra multirun over
     levels needs a launcher that starts a process per job)."""
-    units = machine.cpu_units()
+    units = hardware.cpu_units()
     missing = [f for f in level["needs"] if f not in units]
     if missing:
-        cpu, flags = machine.cpu_info()
+        cpu, flags = hardware.cpu_info()
         runs = [o for o in options("isa") if set(group_entry("isa", o)["needs"]) <= units]
         raise ValueError(f"isa={level['name']} needs the CPU flags {missing}; this CPU ({cpu}) has "
                          f"{vector_unit(flags)}: choose an isa of {runs}")
@@ -53,7 +53,7 @@ def apply(level) -> None:
 
 
 def held(flags: dict[str, bool]) -> str:
-    """What the environment holds this process to, on a CPU with these flags (engine.machine.cpu_info's): `native`;
+    """What the environment holds this process to, on a CPU with these flags (engine.hardware.cpu_info's): `native`;
     a level of conf/isa, emulated where the CPU has a wider unit; or `custom`, naming the variables set."""
     given = {k: os.environ[k] for k in VARS if os.environ.get(k)}
     if not given:

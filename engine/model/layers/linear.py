@@ -24,7 +24,31 @@ from engine.kernels import aten, build
 from engine.kernels.choice import BUCKETS, OPAQUE, bucket, default
 
 
-class Dense:
+class Linear:
+    """y = x W^T (+ bias) (+ residual) for a weight W [out, in], through the kernel chosen for the step's row count
+    (`products`: one name per row bucket of engine/kernels/choice.py). A storage gives `shape` (in, out), `dtype` and
+    `device`, and defines `product`, `lab_args`, `weight_bytes`, `tensors` and `arithmetic`."""
+    products: list[str]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual: [rows, out], added to the product (inside it where the product allows)."""
+        return self.product(self.products[bucket(x.shape[0])], x, residual)
+
+    def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def lab_args(self, bucket: int) -> tuple:
+        """(kind, weight, aux, bias): what lab.layers takes for this product (engine/kernels/build.py's PRODUCTS)."""
+        raise NotImplementedError
+
+    def kernel(self, bucket: int) -> str:
+        return self.products[bucket]
+
+    def hold(self, products) -> None:
+        """Keep the layouts the kernels `products` read (one storage serves every candidate unless it says else)."""
+
+
+class Dense(Linear):
     """A weight [out, in] in the model's dtype, through the product chosen for the step's row count (`products`, one
     candidate per row bucket); only the layouts those candidates read are held."""
 
@@ -48,9 +72,6 @@ class Dense:
     @property
     def arithmetic(self) -> str:
         return "fp32" if self.dtype == torch.float32 else str(self.dtype).removeprefix("torch.")
-
-    def kernel(self, bucket: int) -> str:
-        return self.products[bucket]
 
     def lab_args(self, bucket: int) -> tuple:
         name = self.products[bucket]
@@ -77,10 +98,6 @@ class Dense:
         self.w_out_in = self.w_out_in if "linear" in products else None
         self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual: [rows, out], added to the product (inside it where the product allows)."""
-        return self.product(self.products[bucket(x.shape[0])], x, residual)
-
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if name == "packed":
             return aten.packed_linear(x, self.packed, self.size, self.bias, residual)
@@ -93,7 +110,7 @@ class Dense:
         return y if residual is None else y.add_(residual)
 
 
-class Bf16Dense:
+class Bf16Dense(Linear):
     """A weight [out, in] in bf16; x rounded to bf16, products summed in fp32, returned in fp32, by the native kernels
     (vdpbf16ps where the CPU has AVX512-BF16: `avx512_bf16`; elsewhere the pairs widened in registers and summed with
     FMA: the same sums), per row bucket the one measured faster (`products`: "bf16", or "bf16_tiles", a group of tiles
@@ -137,17 +154,11 @@ class Bf16Dense:
     def lab_args(self, bucket: int) -> tuple:
         return build.PRODUCTS.index(self.products[bucket]), self.w, self.n, self.bias
 
-    def hold(self, products) -> None:
-        """The packed pairs serve every candidate."""
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.product(self.products[bucket(x.shape[0])], x, residual)
-
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         return self._ops[name](x, self.w, self.shape[1], self.bias, residual)
 
 
-class GgufDense:
+class GgufDense(Linear):
     """A weight [out, in] as GGUF blocks (`fmt`: one of build.GGUF_FORMATS), packed once for the native kernels,
     through the kernel chosen for the step's row count (`products`, per row bucket, measured:
     engine/kernels/choice.py): `fmt` (the blocks dequantized in registers, per row of x), `fmt`_tiles (a group of
@@ -211,12 +222,6 @@ class GgufDense:
             self._tables[name] = torch.tensor([[build.PRODUCTS.index(n), v.shape[0], v.numel()]
                                                for n, v in zip(name.split("+"), self.views)])
         return build.PRODUCTS.index("segments"), self.packed, self._tables[name], self.bias
-
-    def hold(self, products) -> None:
-        """The packed blocks serve every candidate."""
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.product(self.products[bucket(x.shape[0])], x, residual)
 
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         ops = self._ops[name]

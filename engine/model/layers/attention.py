@@ -8,7 +8,7 @@ Spans: each token against its own keys, read in place (the native CPU kernel): a
   sequence's block rows, from the window's start (or 0) to itself.
 Padded: any step with torch's operators: decodes against a view of the seats (or their keys gathered through their
   block tables), prompt chunks padded to the longest against a gather of their keys.
-ByLayer: layers of different windows (Gemma 3's sliding and full layers): each layer the path of its window.
+ByLayer: layers of different windows (sliding and full layers in one model): each layer the path of its window.
 
 The sliding-window rule is `window_start`; every mask and span the runner builds reads it.
 """

@@ -1,6 +1,6 @@
 """The machine's CPU name: two CPUs that a virtual machine names alike ("AMD EPYC") but that differ in generation are
 told apart by their family and model numbers, in the fingerprint and in the kernel chooser's key."""
-from engine.machine import cpu_info
+from engine.hardware import cpu_info
 
 ZEN = """processor\t: 0
 vendor_id\t: AuthenticAMD
