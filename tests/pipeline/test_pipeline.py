@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this long for nothing
+ONE_GPU = "~computed.dgx-spark"  # one computed GPU report: the stage runs the same code for each
 REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
            "hardware.json", "machine.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
            "plots/prefill_stall.png", "plots/kv_memory.png", "plots/shared_prefix.png"]
@@ -46,7 +47,7 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
            "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
-    sh(f"git init -q && python -m pipeline.tools.write_params model=tiny-chat {FAST} && git add -A "
+    sh(f"git init -q && python -m pipeline.tools.write_params model=tiny-chat {FAST} {ONE_GPU} && git add -A "
        "&& git commit -qm start", repo, env)
     t = time.perf_counter()
     sh("dvc repro", repo, env)
