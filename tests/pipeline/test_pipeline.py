@@ -83,7 +83,7 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     assert all(f"{stage}:" in status for stage in MEASURED), status
     assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # this machine again: nothing else reruns
     sh("git add -A && git commit -qm results", repo, env)
-    exp = ran(sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S bench.engine_speed.repeats=1", repo, env))
+    exp = ran(sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S '{ONE_GPU}' -S bench.engine_speed.repeats=1", repo, env))
     assert "engine_speed" in exp and not any(s.startswith("bench_") for s in exp), exp  # only what reads the param
     diff = sh("dvc metrics diff", repo, env)
     assert "engine_speed.fp32.b1_" in diff, diff
