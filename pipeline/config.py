@@ -62,11 +62,7 @@ def policy_spec(policy, **given) -> PolicySpec:
     defaults); a bad name or knob fails naming the valid ones."""
     if isinstance(policy, PolicySpec) and not given:
         return policy
-    given = {**({"name": policy} if isinstance(policy, str) else _plain(policy)), **given}
-    full = group_entry("policy", given.get("name"))
-    if set(given) - set(full):
-        raise ValueError(f"policy {full['name']!r} has no knob {sorted(set(given) - set(full))}; it has {sorted(full)}")
-    knobs = {**full, **given}
+    knobs = _completed("policy", policy, given, "knob")
     return PolicySpec.of(knobs.pop("name"), knobs.pop("max_running"), **knobs)
 
 
@@ -75,11 +71,18 @@ def kv_spec(kv, **given) -> KVSpec:
     defaults from conf/kv/<name>.yaml; a bad name, field or value fails naming the valid ones."""
     if isinstance(kv, KVSpec) and not given:
         return kv
-    kv = {**({"name": kv} if isinstance(kv, str) else _plain(kv)), **given}
-    full = group_entry("kv", kv.get("name"))
-    if set(kv) - set(full):
-        raise ValueError(f"kv {full['name']!r} has no field {sorted(set(kv) - set(full))}; it has {sorted(full)}")
-    return KVSpec(**{**full, **kv})
+    return KVSpec(**_completed("kv", kv, given, "field"))
+
+
+def _completed(group: str, entry, given: dict, what: str) -> dict:
+    """A conf/<group> entry (a mapping, or its name) with `given` on top, every key not set taken from
+    conf/<group>/<name>.yaml; a key that file lacks fails naming the ones it has."""
+    entry = {**({"name": entry} if isinstance(entry, str) else _plain(entry)), **given}
+    full = group_entry(group, entry.get("name"))
+    if set(entry) - set(full):
+        raise ValueError(f"{group} {full['name']!r} has no {what} {sorted(set(entry) - set(full))}; it has "
+                         f"{sorted(full)}")
+    return {**full, **entry}
 
 
 def precision_spec(precision) -> PrecisionSpec:

@@ -15,6 +15,7 @@ from engine.kernels.choice import BUCKETS
 from engine.model.forward import HEAD_SPAN, FlatModel
 from engine.model.layers.linear import Bf16Dense
 from engine.model.runner import SAMPLER_SPAN
+from engine.model.weights import PRODUCTS
 from engine.specs import PolicySpec
 from pipeline.config import build_net, group_entry, kv_spec, options
 from pipeline.measuring.disturbance import measured
@@ -106,8 +107,7 @@ def kernel_table(cfg, model) -> dict:
     levels, skipped, _ = level_nets(cfg, names, {(cfg.precision.dtype, cfg.precision.device): (model, None)})
     table = {}
     for name, (net, _, _) in levels.items():
-        groups = {"head": [net.lm_head], **{k: [getattr(l, k) for l in net.layers] for k in ("qkv", "o", "gate_up",
-                                                                                              "down")}}
+        groups = {"head": [net.lm_head], **{p: [getattr(layer, p) for layer in net.layers] for p in PRODUCTS}}
         table[name] = {k: [_kernels(ds, b) for b in range(len(BUCKETS))] for k, ds in groups.items()}
     return {"buckets": list(BUCKETS), "build": build.capabilities(), "levels": table, "skipped": skipped}
 

@@ -16,6 +16,7 @@ GgufDense: a GGUF file's blocks as stored (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; the par
   kernel; the kernel chosen per row bucket.
 """
 import itertools
+from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from engine.kernels import aten, build
 from engine.kernels.choice import BUCKETS, OPAQUE, bucket, default
 
 
-class Linear:
+class Linear(ABC):
     """y = x W^T (+ bias) (+ residual) for a weight W [out, in], through the kernel chosen for the step's row count
     (`products`: one name per row bucket of engine/kernels/choice.py). A storage gives `shape` (in, out), `dtype` and
     `device`, and defines `product`, `lab_args`, `weight_bytes`, `tensors` and `arithmetic`."""
@@ -34,12 +35,13 @@ class Linear:
         """residual: [rows, out], added to the product (inside it where the product allows)."""
         return self.product(self.products[bucket(x.shape[0])], x, residual)
 
+    @abstractmethod
     def product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        raise NotImplementedError
+        """x through the kernel `name` (one of the storage's candidates)."""
 
+    @abstractmethod
     def lab_args(self, bucket: int) -> tuple:
         """(kind, weight, aux, bias): what lab.layers takes for this product (engine/kernels/build.py's PRODUCTS)."""
-        raise NotImplementedError
 
     def kernel(self, bucket: int) -> str:
         return self.products[bucket]

@@ -14,16 +14,13 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from engine.core.kv_pools import LayerPools, seat_bytes
-from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.factory import build_engine, build_net, load_source
 from engine.model.hf import generate_alone
-from engine.model.kv_cache import make_cache
 from engine.model.loader import prepare, random_model
-from engine.model.runner import ModelRunner
 from engine.specs import PolicySpec
 from pipeline.config import kv_spec, model_spec
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, STEP_KINDS, run_scenario, scenario_prompts
-from tests.engine.model.test_model_support import random_norms
+from tests.engine.model.test_model_support import prefill_logits_error, random_norms
 from tests.engine.model.test_paged import BS, PAGED_ARRIVE, PAGED_LENS, POOLS, paged_prompts, run_paged
 from tests.engine.model.test_paged import POLICIES as PAGED_POLICIES
 
@@ -94,15 +91,7 @@ def test_paged_policies_match_generate(paged_references, policy, prefix_caching,
 def test_prefill_logits_match_hugging_face(gemma, native):
     """Greedy tokens of a tiny model can hide a small error (GELU's exact form for its tanh one): logits too."""
     model = gemma[0]
-    prompt = list(range(3, 43))
-    net = build_net(model, native_kernels=native)
-    runner = ModelRunner(net, make_cache("slot", net, 1, 64))
-    chunk = ScheduledChunk(rid="r", start=0, tokens=tuple(prompt), sample=True, prompt=True, seat=0)
-    inputs = replace(runner.inputs(SchedulerOutput(chunks=(chunk,))), logit_rows=torch.arange(len(prompt)))
-    got = net.forward(inputs, runner.cache)
-    with torch.inference_mode():
-        ref = model(torch.tensor([prompt])).logits[0].float()
-    assert (got - ref).abs().max().item() < 1e-4
+    assert prefill_logits_error(model, list(range(3, 43)), build_net(model, native_kernels=native)) < 1e-4
 
 
 REFUSED = {

@@ -53,9 +53,10 @@ def assert_matches_generate(model, policy):
         assert out[str(i)] == generate_alone(model, p, n), f"{policy.name}: request {i}"
 
 
-def prefill_logits_error(model, prompt: list[int]) -> float:
-    """Largest |engine - Hugging Face| logit over every position of one whole prompt (the engine's is ~2e-6 here)."""
-    net = build_net(model)
+def prefill_logits_error(model, prompt: list[int], net=None) -> float:
+    """Largest |engine - Hugging Face| logit over every position of one whole prompt (the engine's is ~2e-6 here);
+    net: the engine's model of `model` (default: built as it is)."""
+    net = net or build_net(model)
     runner = ModelRunner(net, make_cache("slot", net, 1, 64))
     chunk = ScheduledChunk(rid="r", start=0, tokens=tuple(prompt), sample=True, prompt=True, seat=0)
     inputs = replace(runner.inputs(SchedulerOutput(chunks=(chunk,))), logit_rows=torch.arange(len(prompt)))
