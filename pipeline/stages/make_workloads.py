@@ -1,6 +1,6 @@
-"""Stage make_workloads: every table's workloads, seeded, as parquet (data/workloads/<table>.parquet, a `point`
-column naming each run; the file's metadata names each production-shaped run's workload: its lengths' label
-("Azure conv lengths / 8"), source, scale, arrivals and burstiness k)."""
+"""Stage make_workloads [table ...]: every table's workloads (or the tables named), seeded, as parquet
+(data/workloads/<table>.parquet, a `point` column naming each run; the file's metadata names each production-shaped
+run's workload: its lengths' label ("Azure conv lengths / 8"), source, scale, arrivals and burstiness k)."""
 import sys
 
 from pipeline.config import ROOT
@@ -22,11 +22,11 @@ def labelled(cfg, table: str, attrs: dict) -> dict:
 
 
 if __name__ == "__main__":
-    cfg = load([])
-    tok, vocab = tokenizer_and_vocab(cfg)
-    for table in sys.argv[1:] or list(cfg.tables):
-        with timed_stage(f"make_workloads@{table}"):
+    with timed_stage("make_workloads"):
+        cfg = load([])
+        tok, vocab = tokenizer_and_vocab(cfg)
+        for table in sys.argv[1:] or list(cfg.tables):
             out = table_workloads(cfg, table, tok, vocab)
             write_parquet(ROOT / "data" / "workloads" / f"{table}.parquet", out,
                           {"table": table, "seed": int(cfg.seed), **labelled(cfg, table, out.attrs)})
-        print(f"{table}: {out['point'].nunique()} runs, {len(out)} requests")
+            print(f"{table}: {out['point'].nunique()} runs, {len(out)} requests")
