@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from pipeline.config import ROOT
-from pipeline.measuring.fingerprint import environment
 from pipeline.results import write_json
 
 TIMINGS = ROOT / "reports" / "timings.json"
@@ -31,6 +30,8 @@ def timed_stage(name: str | None = None, path=TIMINGS):
     try:
         machine = json.loads(MACHINE.read_text())
     except (OSError, ValueError):
+        from pipeline.measuring.fingerprint import environment  # torch: only where no stage has fingerprinted yet
+
         machine = environment()
     try:
         old = json.loads(path.read_text())

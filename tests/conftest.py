@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.factory import load_source
+from engine.kernels import choice
 from engine.specs import ModelSpec
 from pipeline.config import model_spec
 from tests.serving import BACKENDS, Server
@@ -23,6 +24,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def unmeasured_kernels():
+    """Every shape keeps the default kernel choice, unmeasured: timing the candidates on a real model's shapes costs
+    minutes on a fresh machine and decides no test (tests/engine/kernels measure on purpose, SMALL_BYTES = 0)."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(choice, "SMALL_BYTES", float("inf"))
+    yield
+    patch.undo()
 
 
 def model_cfg(name: str, **changes) -> ModelSpec:

@@ -105,7 +105,7 @@ def assembled(package: str, out: Path) -> Path:
 @contextmanager
 def _gguf_read_once():
     """Within the block each GGUF file's header is parsed once: transformers parses it anew for the config, the
-    tokenizer and the weights (pure Python, ~25 s each for Gemma 3's 262k-token vocabulary on 2 cores)."""
+    tokenizer and the weights (pure Python, ~25 s each for a 262k-token vocabulary on 2 cores)."""
     import gguf
 
     plain, readers = gguf.GGUFReader, {}

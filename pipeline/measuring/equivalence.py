@@ -22,8 +22,8 @@ POLICIES = [  # every policy, 3 running at once
     PolicySpec.of("mixed", 3),
     PolicySpec.of("chunked", 3, token_budget=16),
 ]
-STEP_KINDS = ("naive", "static", "continuous", "chunked")  # one row; a padded batch with finished rows; whole
-# prompts or decodes; prompt chunks beside decodes: every kind of step the others take too, at other times
+STEP_KINDS = ("static", "continuous", "chunked")  # a padded batch with finished rows; whole prompts or decodes, one
+# row at times (naive's only kind); prompt chunks beside decodes: every kind of step the other policies take
 
 
 def run_scenario(model, policy: PolicySpec, prompts, lens, arrive: dict[int, list[int]], max_request_tokens: int = 256,

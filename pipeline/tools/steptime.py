@@ -96,10 +96,15 @@ def show(out: dict) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    own, overrides, as_json = parse(sys.argv[1:])
+def main(argv: list[str]) -> None:
+    """Print one step's or one batch's computed time; a SystemExit naming what is wrong otherwise."""
+    own, overrides, as_json = parse(argv)
     try:
         result = compute(own, overrides)
     except (ValueError, HydraException) as exc:
         raise SystemExit(f"steptime: {exc}") from None
     print(json.dumps(result) if as_json else show(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

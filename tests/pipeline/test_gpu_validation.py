@@ -13,6 +13,7 @@ from pipeline.config import ROOT, group_entry, options
 from pipeline.modeling import gpu_validation as gv
 from pipeline.modeling.cost_fit import first_principles
 from pipeline.modeling.roofline import Roofline, Shape
+from pipeline.tools.steptime import main
 
 GPUS = sorted(gv.gpu_entries())
 FIELDS = ("id", "source", "address", "engine", "hardware", "gpus", "model", "batch", "input_tokens", "output_tokens",
@@ -53,20 +54,21 @@ def steptime(*args):
                           text=True, timeout=120)
 
 
-def test_steptime_answers_a_batch_in_json_and_refuses_what_it_cannot_compute():
+def test_steptime_answers_a_batch_in_json_and_refuses_what_it_cannot_compute(capsys):
     out = steptime("hardware=h100-sxm", "model=llama-3.1-8b-shape", "precision=bf16-cuda", "batch=8",
-                   "input_tokens=32", "output_tokens=128", "--json")
+                   "input_tokens=32", "output_tokens=128", "--json")  # the command itself, once
     got = json.loads(out.stdout)
     assert got["computed"] and got["end_to_end_s"] > got["ttft_s"] > 0 and got["steps"] == 128
-    step = steptime("hardware=h100-sxm", "model=llama-3.1-70b-shape", "precision=bf16-cuda", "tp=4", "decode=64",
-                    "context=2048")
-    assert step.returncode == 0 and "all_reduce" in step.stdout and "memory-bound" in step.stdout
-    bad = steptime("hardware=tpu-v9", "decode=1")
-    assert bad.returncode != 0 and "h100-sxm" in bad.stderr  # the options listed
-    cpu = steptime("hardware=cpu", "decode=1")
-    assert cpu.returncode != 0 and "spec sheet" in cpu.stderr
-    big = steptime("hardware=h100-sxm", "model=llama-3.1-70b-shape", "precision=bf16-cuda", "batch=1")
-    assert big.returncode != 0 and "tp=2" in big.stderr  # 141 GB of weights on one 80 GB GPU
+    main(["hardware=h100-sxm", "model=llama-3.1-70b-shape", "precision=bf16-cuda", "tp=4", "decode=64", "context=2048"])
+    step = capsys.readouterr().out
+    assert "all_reduce" in step and "memory-bound" in step
+    for argv, named in ((["hardware=tpu-v9", "decode=1"], "h100-sxm"),  # the options listed
+                        (["hardware=cpu", "decode=1"], "spec sheet"),
+                        (["hardware=h100-sxm", "model=llama-3.1-70b-shape", "precision=bf16-cuda", "batch=1"],
+                         "tp=2")):  # 141 GB of weights on one 80 GB GPU
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert named in str(refused.value), (argv, refused.value)
 
 
 def test_first_principles_on_this_cpu_judged_on_recorded_steps():

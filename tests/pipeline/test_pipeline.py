@@ -15,6 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this long for nothing
 ONE_GPU = "~computed.dgx-spark"  # one computed GPU report: the stage runs the same code for each
+TABLES = "tables=[main,prefill_stall,all_policies,kv_memory,shared_prefix,preemption]"  # those read below (a table's
+# stages run the same code for each; every table's runs compose in test_config and replay in test_precision_axis)
+SHAPED = ("'bench.shaped.simulated.workloads=[azure-conv,azure-code]' "  # the production-shaped grid, smaller
+          "'bench.shaped.simulated.multiples=[0.05,0.2,1.0]' 'bench.shaped.measured.workloads=[azure-conv]'")
 REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
            "hardware.json", "machine.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
            "plots/prefill_stall.png", "plots/kv_memory.png", "plots/shared_prefix.png"]
@@ -47,8 +51,8 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
            "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
-    sh(f"git init -q && python -m pipeline.tools.write_params model=tiny-chat {FAST} {ONE_GPU} && git add -A "
-       "&& git commit -qm start", repo, env)
+    given = f"model=tiny-chat {FAST} '{ONE_GPU}' '{TABLES}' {SHAPED}"  # params.yaml composed with these
+    sh(f"git init -q && python -m pipeline.tools.write_params {given} && git add -A && git commit -qm start", repo, env)
     t = time.perf_counter()
     sh("dvc repro", repo, env)
     first = time.perf_counter() - t
@@ -83,7 +87,8 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     assert all(f"{stage}:" in status for stage in MEASURED), status
     assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # this machine again: nothing else reruns
     sh("git add -A && git commit -qm results", repo, env)
-    exp = ran(sh(f"dvc exp run -S model=tiny-chat -S {FAST} -S '{ONE_GPU}' -S bench.engine_speed.repeats=1", repo, env))
+    again = " ".join(f"-S {o}" for o in given.split())  # dvc exp run composes params.yaml anew: every override again
+    exp = ran(sh(f"dvc exp run {again} -S bench.engine_speed.repeats=1", repo, env))
     assert "engine_speed" in exp and not any(s.startswith("bench_") for s in exp), exp  # only what reads the param
     diff = sh("dvc metrics diff", repo, env)
     assert "engine_speed.fp32.b1_" in diff, diff

@@ -27,6 +27,13 @@ def references(tiny):
     return name, model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
 
 
+@pytest.fixture(scope="module")
+def llama_references(tiny_llama):
+    """references() of tiny-llama alone: a compile-time property (what gets compiled when) is the same on each."""
+    prompts = scenario_prompts(tiny_llama, None)
+    return "tiny-llama", tiny_llama, prompts, [generate_alone(tiny_llama, p, n) for p, n in zip(prompts, LENS)]
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=[p.name for p in POLICIES])
 def test_seed_scenario_matches_generate(references, policy):
     name, model, prompts, ref = references
@@ -188,13 +195,13 @@ def test_compiled_decode_steps_match_generate(references):
 
 
 @pytest.mark.slow
-def test_warm_up_compiles_every_kind_of_step_up_front(references):
+def test_warm_up_compiles_every_kind_of_step_up_front(llama_references):
     """LLMEngine.warm_up compiles each kind of compiled step before any request: the scenario that follows (one to
     three rows decoding, of equal and unequal lengths, on an engine of the same size) compiles nothing more, and
     its tokens stay those of generate."""
     from torch._dynamo.utils import counters
 
-    name, model, prompts, ref = references
+    name, model, prompts, ref = llama_references
     policy, net = PolicySpec.of("continuous", 3), build_net(model)
     assert build_engine(net, policy, 256, compile=True).warm_up() > 0
     counters.clear()
