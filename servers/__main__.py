@@ -39,7 +39,7 @@ def build(cfg):
                                 float(srv.max_wait_ms), int(srv.max_waiting), pad_id(tokenizer))
     key = os.environ.get(cfg.server.api_key_env) if cfg.server.api_key_env else None
     return create_app(worker, tokenizer, cfg.model.name, key, int(cfg.server.default_max_tokens),
-                      float(srv.max_queue_wait_s)), worker
+                      float(srv.max_queue_wait_s), int(srv.max_body_bytes)), worker
 
 
 def main(argv: list[str]):
@@ -49,7 +49,8 @@ def main(argv: list[str]):
     isa.apply(cfg.isa)  # before torch does any work: torch, MKL and oneDNN read it once
     app, worker = build(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=5,
+                                           limit_concurrency=int(cfg.server.max_connections)))
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
     grace = float(cfg.server.shutdown_grace_s)

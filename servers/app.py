@@ -13,6 +13,11 @@ started. A request whose first token has not come by then is dropped (aborted, i
 and answered 408 (an error event when streaming). A client that disconnects, streaming or not, has its request
 aborted within one engine step.
 
+Bounds on what a client can make the server do (each in conf/server): a body over `max_body_bytes` gets 413 before
+it is read whole; a prompt with more characters than `max_request_tokens` tokens can hold (as many as the longest
+token in the vocabulary has) gets 400 before it is tokenized; text that is not valid Unicode (a lone surrogate from a
+JSON escape) and a body that is not JSON or too deeply nested get 400.
+
 Logprobs are those of the raw model distribution (before penalties, temperature, top-k and top-p), as vLLM and
 OpenAI report them; the Hugging Face generate backends refuse logprobs and penalties (400).
 """
@@ -26,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException
 
 from engine import RequestError, SamplingParams
 from engine.usage import rss_mb
@@ -56,6 +62,44 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+class BodyLimit:
+    """Plain ASGI middleware: a request body over `limit` bytes gets 413 naming the limit: at once when its
+    Content-Length says so, else as soon as the bytes read pass it (chunked); nothing over the limit is held."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.limit:
+            return await self.refuse(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+        body = b"".join(chunks)
+
+        async def replay():
+            nonlocal body
+            if body is None:
+                return await receive()  # after the body: wait for the disconnect, as the server would
+            message, body = {"type": "http.request", "body": body, "more_body": False}, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send):
+        await error(413, f"the request body is over the server's limit of {self.limit} bytes (server.max_body_bytes)",
+                    None, code="request_too_large", headers={"Connection": "close"})(scope, receive, send)
+
+
 class Failed(Exception):
     """A request ended without an answer: the HTTP status, error type and message to send."""
 
@@ -67,12 +111,20 @@ class Failed(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": None, "code": self.status}}
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for (its stored form: byte-level and byte-fallback
+    tokens are at least as long as the text they decode to)."""
+    return max(len(t) for t in tokenizer.get_vocab())
+
+
 def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str, api_key: str | None = None,
-               default_max_tokens: int = 256, max_queue_wait_s: float = 10.0) -> FastAPI:
+               default_max_tokens: int = 256, max_queue_wait_s: float = 10.0,
+               max_body_bytes: int = 4 * 2**20) -> FastAPI:
     app = FastAPI(title="LLM Batching Lab", version="0.1.0")
     metrics = ServerMetrics(model_name)
     worker.on_step = metrics.on_step
     eos = set(worker.eos_ids)
+    max_chars = worker.max_request_tokens * longest_token_chars(tokenizer)  # more cannot fit: refused untokenized
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
@@ -84,8 +136,24 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
         text = str(first.get("msg", "")).removeprefix("Value error, ")
         return error(400, f"{param or 'body'}: {text}", param)
 
+    @app.exception_handler(HTTPException)
+    async def unparsed(_, exc: HTTPException):  # Starlette's: a body it cannot parse (bad UTF-8, nesting), 404, 405
+        return error(exc.status_code, f"{exc.detail} (the body must be one JSON object in UTF-8)"
+                     if exc.status_code == 400 else str(exc.detail), None, headers=exc.headers)
+
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)
+
+    def too_long(texts: list[str], field: str) -> JSONResponse | None:
+        """400 for text that cannot fit in max_request_tokens tokens, before the tokenizer spends time on it."""
+        chars = sum(len(t) for t in texts)
+        if chars > max_chars:
+            return error(400, f"{field}: {chars} characters cannot fit in max_request_tokens = "
+                              f"{worker.max_request_tokens} tokens (at most {max_chars} characters: no token of this "
+                              "model stands for more than "
+                              f"{max_chars // worker.max_request_tokens})", field)
+        return None
 
     @app.get("/health")
     async def health():
@@ -180,12 +248,16 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatRequest):
         msgs = [m.text() for m in body.messages]
+        if refused := too_long([m["content"] for m in msgs], "messages"):
+            return refused
         prompt = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
         return await serve(request, body, prompt, True, body.max_completion_tokens or body.max_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
+        if isinstance(body.prompt, str) and (refused := too_long([body.prompt], "prompt")):
+            return refused
         prompt = body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
         if not prompt:
             return error(400, "prompt: encodes to no tokens", "prompt")

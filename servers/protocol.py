@@ -48,6 +48,17 @@ class Sampling(BaseModel):
         return None
 
 
+def unicode_text(v: str) -> str:
+    """v if it is Unicode text a tokenizer can read; JSON's \\ud800-style escapes can make a lone surrogate, which
+    is not: a ValueError naming where."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid Unicode text: a lone surrogate (U+{ord(v[exc.start]):04X}) at character "
+                         f"{exc.start}") from None
+    return v
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
@@ -64,7 +75,7 @@ class ChatMessage(BaseModel):
     def text_content(cls, v):
         """A string or text parts; any other part (image, audio, file...) is refused by name."""
         if isinstance(v, str):
-            return v
+            return unicode_text(v)
         if not isinstance(v, list):
             raise ValueError("must be a string or a list of content parts")
         for part in v:
@@ -73,6 +84,7 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"content parts of type {part_type!r} are not supported: this model reads text only")
             if not isinstance(part.get("text"), str):
                 raise ValueError("a text content part needs a 'text' string")
+            unicode_text(part["text"])
         return v
 
     def text(self) -> dict:
@@ -131,7 +143,7 @@ class CompletionRequest(Sampling):
         if isinstance(v, str):
             if not v:
                 raise ValueError("must not be empty")
-            return v
+            return unicode_text(v)
         if isinstance(v, list) and v and all(type(t) is int for t in v):
             return v
         if isinstance(v, list) and not v:

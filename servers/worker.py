@@ -131,6 +131,10 @@ class EngineWorker(Worker):
     def max_running(self) -> int:
         return self.engine.scheduler.max_running
 
+    @property
+    def max_request_tokens(self) -> int:
+        return self.engine.scheduler.max_request_tokens
+
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt, params)
 

@@ -40,7 +40,7 @@ class Server:
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
     def __init__(self, model, tok, policy, api_key=None, max_waiting=64, max_request_tokens=512, max_queue_wait_s=10.0,
-                 kv=kv_spec("slot")):
+                 kv=kv_spec("slot"), max_body_bytes=4 * 2**20):
         if not isinstance(policy, PolicySpec):  # the HF generate backends
             self.worker = GenerateWorker(model, eos_ids(model), max_request_tokens, policy["max_batch"],
                                          policy["max_wait_ms"], max_waiting, pad_id(tok))
@@ -50,7 +50,7 @@ class Server:
         self.worker.start()
         self.port = free_port()
         app = create_app(self.worker, tok, "tiny-chat", api_key, default_max_tokens=16,
-                         max_queue_wait_s=max_queue_wait_s)
+                         max_queue_wait_s=max_queue_wait_s, max_body_bytes=max_body_bytes)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
