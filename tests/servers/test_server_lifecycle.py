@@ -3,6 +3,7 @@ and show on /health, a drain finishes what it can within the grace, and SIGTERM 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -126,11 +127,12 @@ def test_generate_failure_mid_request_answers_every_client(chat_model, backend):
 def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
     """A real server process (static batching, batches of 2): two requests run, a third waits for a partner.
     SIGTERM: /health says draining, new requests get 503, the two running finish whole, the waiting one ends
-    with an error event when the 5 s grace is over, and the process exits 0."""
+    with an error event when the 5 s grace is over, and the process exits 0. Before that: with server.max_connections
+    connections open and idle, one more gets 503 (uvicorn's limit), and the server serves again once they close."""
     port = free_port()
     cmd = [sys.executable, "-m", "servers", "model=tiny-chat", f"model.tokenizer={smollm2_tokenizer_dir}",
            "policy=static", "policy.max_batch=2", "policy.max_running=4", f"port={port}", "server.shutdown_grace_s=5",
-           "threads=1"]
+           "threads=1", "server.max_connections=8"]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, "LAB_API_KEY": ""})
     url = f"http://127.0.0.1:{port}"
@@ -142,6 +144,11 @@ def test_sigterm_drains_then_exits_zero(smollm2_tokenizer_dir):
             except httpx.HTTPError:
                 return False
         wait_for(up, 120, "the server process did not come up within 120 s")
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]  # never send a byte
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10, "over the cap, still served")
+        for conn in idle:
+            conn.close()
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 10, "not served again")
         results = {}
 
         def post(name, n):
