@@ -178,36 +178,24 @@ def test_real_model_seed_scenario(smollm2, policy):
 
 
 @pytest.mark.slow
-def test_compiled_decode_steps_match_generate(references):
-    """FlatModel.forward(compiled=True): the steps of decodes only run through torch.compile (graphs of one and of
-    several rows, with and without a length mask); the tokens stay those of generate."""
-    from torch._dynamo.utils import counters
-
-    name, model, prompts, ref = references
-    net = build_net(model)
-    counters.clear()
-    out = run_scenario(net, PolicySpec.of("continuous", 3), prompts, LENS, ARRIVE, compile=True)
-    one = run_scenario(net, PolicySpec.of("continuous", 1), prompts[:2], LENS[:2], {0: [0, 1]},
-                       compile=True)
-    assert [out[str(i)] for i in range(6)] == ref, name
-    assert [one["0"], one["1"]] == ref[:2], name
-    assert not counters["graph_break"], dict(counters["graph_break"])  # a step is whole graphs, not eager pieces
-
-
-@pytest.mark.slow
-def test_warm_up_compiles_every_kind_of_step_up_front(llama_references):
-    """LLMEngine.warm_up compiles each kind of compiled step before any request: the scenario that follows (one to
-    three rows decoding, of equal and unequal lengths, on an engine of the same size) compiles nothing more, and
-    its tokens stay those of generate."""
+def test_compiled_steps_warm_up_front_and_match_generate(llama_references):
+    """FlatModel.forward(compiled=True): LLMEngine.warm_up compiles each kind of compiled step (decodes of one and of
+    several rows, of equal and unequal lengths) before any request; the scenario that follows compiles nothing more,
+    breaks no step into eager pieces, and its tokens stay those of generate, as do one seat's (tiny-llama: each
+    architecture's steps are the same compiled products)."""
     from torch._dynamo.utils import counters
 
     name, model, prompts, ref = llama_references
     policy, net = PolicySpec.of("continuous", 3), build_net(model)
-    assert build_engine(net, policy, 256, compile=True).warm_up() > 0
     counters.clear()
+    assert build_engine(net, policy, 256, compile=True).warm_up() > 0
+    compiled = counters["stats"]["unique_graphs"]
     out = run_scenario(net, policy, prompts, LENS, ARRIVE, compile=True)
     assert [out[str(i)] for i in range(6)] == ref, name
-    assert not counters["stats"]["unique_graphs"], f"{name}: compiled after the warm-up"
+    assert counters["stats"]["unique_graphs"] == compiled, f"{name}: compiled after the warm-up"
+    assert not counters["graph_break"], dict(counters["graph_break"])  # a step is whole graphs, not eager pieces
+    one = run_scenario(net, PolicySpec.of("continuous", 1), prompts[:2], LENS[:2], {0: [0, 1]}, compile=True)
+    assert [one["0"], one["1"]] == ref[:2], name
 
 
 def test_compile_failure_falls_back_to_eager(references, monkeypatch, caplog):
