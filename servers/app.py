@@ -58,7 +58,7 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
     metrics = ServerMetrics(model_name)
     worker.on_step = metrics.on_step
     eos = set(worker.eos_ids)
-    max_chars = worker.max_request_tokens * longest_token_chars(tokenizer)  # more cannot fit: refused untokenized
+    longest = longest_token_chars(tokenizer)  # characters; a prompt over max_request_tokens x this cannot fit
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
@@ -81,12 +81,11 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
 
     def too_long(texts: list[str], field: str) -> JSONResponse | None:
         """400 for text that cannot fit in max_request_tokens tokens, before the tokenizer spends time on it."""
-        chars = sum(len(t) for t in texts)
-        if chars > max_chars:
+        chars, most = sum(len(t) for t in texts), worker.max_request_tokens * longest
+        if chars > most:
             return error(400, f"{field}: {chars} characters cannot fit in max_request_tokens = "
-                              f"{worker.max_request_tokens} tokens (at most {max_chars} characters: no token of this "
-                              "model stands for more than "
-                              f"{max_chars // worker.max_request_tokens})", field)
+                              f"{worker.max_request_tokens} tokens (at most {most} characters: no token of this model "
+                              f"stands for more than {longest})", field)
         return None
 
     @app.get("/health")
