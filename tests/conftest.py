@@ -1,7 +1,14 @@
 """Shared fixtures: tiny random-weight models of two architectures, the real default model, and the servers over
-a tiny chat model (tests.serving)."""
+a tiny chat model (tests.serving). `make test` runs the suite in two workers (pytest-xdist, one file per worker at a
+time)."""
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # before torch loads OpenMP: two workers share the cores, so a thread that
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # waits at a barrier sleeps instead of spinning on a core
+    # the other worker needs (spinning made the torch-bound tests 3-4x slower beside it; sleeping, 1.5x)
 
 import pytest
 import torch
@@ -14,10 +21,13 @@ from tests.serving import BACKENDS, Server
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ("tiny-llama", "tiny-qwen2")
+LONGEST = "tests/pipeline/test_pipeline.py::test_dvc_repro_on_a_tiny_model"
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests need CUDA: without it they are skipped, and the skip says so (pytest -rs)."""
+    """The whole pipeline's test first (the longest by far: the other worker runs the rest beside it); `gpu`-marked
+    tests need CUDA: without it they are skipped, and the skip says so (pytest -rs)."""
+    items.sort(key=lambda item: item.nodeid != LONGEST)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; torch sees none here (run them with `make gpu-check`)")
@@ -27,11 +37,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def unmeasured_kernels():
+def unmeasured_kernels(tmp_path_factory):
     """Every shape keeps the default kernel choice, unmeasured: timing the candidates on a real model's shapes costs
-    minutes on a fresh machine and decides no test (tests/engine/kernels measure on purpose, SMALL_BYTES = 0)."""
+    minutes on a fresh machine and decides no test (tests/engine/kernels measure on purpose, SMALL_BYTES = 0). What
+    the tests do measure (GGUF blocks' kernels) goes to a copy of the machine's choices: timed beside the other
+    worker, it never becomes the choice a benchmark runs."""
+    machine, path = choice.cache_path(), choice.cache_path  # a test's own LAB_CACHE_DIR keeps its own file
+    mine = tmp_path_factory.mktemp("kernel_choice") / "kernels.json"
+    if machine.exists():
+        shutil.copyfile(machine, mine)
     patch = pytest.MonkeyPatch()
     patch.setattr(choice, "SMALL_BYTES", float("inf"))
+    patch.setattr(choice, "cache_path", lambda: mine if path() == machine else path())
     yield
     patch.undo()
 
@@ -57,11 +74,10 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model, prepared from its GGUF package on first use."""
-    from engine.model.loader import prepare
+    from engine.model.loader import prepared
 
     cfg = model_cfg("smollm2-135m", path=str(ROOT / model_cfg("smollm2-135m").path))
-    if not (Path(cfg.path) / "config.json").exists():
-        prepare(cfg)
+    prepared(cfg)
     torch.set_num_threads(2)
     return load_source(cfg)
 
@@ -70,12 +86,9 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir():
     """The folder with SmolLM2's tokenizer, prepared from its GGUF package on first use."""
-    from engine.model.loader import prepare
+    from engine.model.loader import prepared
 
-    cfg = model_cfg("smollm2-135m", path=str(ROOT / model_cfg("smollm2-135m").path))
-    if not (ROOT / "data/models/smollm2-135m/tokenizer.json").exists():
-        prepare(cfg)
-    return ROOT / "data/models/smollm2-135m"
+    return prepared(model_cfg("smollm2-135m", path=str(ROOT / model_cfg("smollm2-135m").path)))
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Build or load the causal LM a config names; only plain configs in, a model and maybe a tokenizer out. A model
 shipped as a GGUF file in a Python package is dequantized once into a plain safetensors folder (`prepare`)."""
+import fcntl
 import importlib
 import importlib.util
 import shutil
@@ -129,6 +130,30 @@ def prepare(model_cfg) -> Path | None:
     end-of-sequence ids)."""
     if model_cfg.source != "gguf":
         return None
+    with _preparing(Path(model_cfg.path)):
+        return _write(model_cfg)
+
+
+def prepared(model_cfg) -> Path:
+    """model_cfg.path, prepared first unless it holds a prepared model already (processes that need one model at once
+    prepare it once: the others wait for it)."""
+    out = Path(model_cfg.path)
+    with _preparing(out):
+        if not (out / "config.json").exists():
+            _write(model_cfg)
+    return out
+
+
+@contextmanager
+def _preparing(out: Path):
+    """The block holds the lock of the model folder `out` (a file beside it): one process prepares it at a time."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _write(model_cfg) -> Path:
     out = Path(model_cfg.path)
     src = gguf_path(model_cfg.package, model_cfg.gguf_file)
     with _gguf_read_once():
@@ -141,11 +166,12 @@ def prepare(model_cfg) -> Path | None:
         model.generation_config.eos_token_id = list(eos) if isinstance(eos, tuple) else int(eos)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    old = out.parent / f"{tmp.name}-old"
     if out.exists():
-        shutil.rmtree(out)
+        out.rename(old)  # the folder is the old one or the new one at every moment but between these two renames
     tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
     return out

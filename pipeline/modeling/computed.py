@@ -7,7 +7,6 @@ under closed-loop load. Seed 003: every policy, dynamic timeouts, chunked budget
 (conf/experiment) at `SEATS` rows; production shapes at their published lengths under bursty arrivals, and capacity per
 GPU at the SLO per policy and shape (the SLO picker). Limits are conf/slo/chat's (TTFT p99 1 s, TPOT p50 100 ms).
 """
-import copy
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -23,7 +22,7 @@ from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 from pipeline.modeling.roofline import GB, Roofline
 from pipeline.modeling.simulation import full_batch_decode, simulate
 from pipeline.workloads.generate import build
-from pipeline.workloads.runs import label, point_overrides, table_config
+from pipeline.workloads.runs import runs, table_config
 
 SEATS = 16                          # rows every policy holds in seed 003's tables (seed 000's batcher: B = 16)
 DEPLOYED = {"static": 16, "dynamic": 16, "continuous": 256, "chunked": 256}  # production shapes: rows as deployed
@@ -126,27 +125,11 @@ def seats_table(item, extra: str) -> list[dict]:
     return out
 
 
-def table_runs(base, table: str):
-    """(label, config) of each run of a seed table, composed once per policy and the rest set in place (the same
-    configs as pipeline.workloads.runs, without composing every point)."""
-    by_policy = {}
-    for point in point_overrides(table_config(base, table).table):
-        groups = {k: v for k, v in point.items() if "." not in k}
-        key = tuple(sorted(groups.items()))
-        if key not in by_policy:
-            by_policy[key] = table_config(base, table, groups)
-        cfg = copy.deepcopy(by_policy[key])
-        for k, v in point.items():
-            if "." in k:
-                OmegaConf.update(cfg, k, v, merge=False)
-        yield label(point), cfg
-
-
 def tables(base, roof: Roofline, budget: float, step_s: float) -> dict:
     """All policies, dynamic timeouts and chunked budgets: each run of those seed tables, at scale."""
     meta, jobs = [], []
     for table in ("all_policies", "dynamic_timeouts", "prefill_stall"):
-        for name, cfg in table_runs(base, table):
+        for name, cfg in runs(base, table):
             cfg = at_scale(cfg, budget, chunk="token_budget" not in name)
             meta.append({"table": table, "run": name, "policy": cfg.policy.name,
                          "load_multiple": float(cfg.load.multiple),

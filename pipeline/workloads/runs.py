@@ -1,10 +1,11 @@
 """A table's runs: its experiment file's `points` (override sets) crossed with its `sweep` axes, each composed. A
 point may set `precision`: a level this model or device cannot run is left out, said (the table's other points run)."""
+import copy
 import itertools
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from pipeline.config import compose_config
+from pipeline.config import check, compose_config
 
 
 def point_overrides(table) -> list[dict]:
@@ -46,15 +47,33 @@ def runs(base: DictConfig, table: str) -> list[tuple[str, DictConfig]]:
     that leaves none, the table's points run at the configured level instead."""
     if table == "main":
         return [("main", base)]
-    points = point_overrides(table_config(base, table).table)
+    composed = {"default": table_config(base, table)}  # the points' group choices (policy=...) -> their composition
+    points = point_overrides(composed["default"].table)
+    levels = {str(o["precision"]) for o in points if "precision" in o}
+    missing = {name: level_not_here(base, name) for name in sorted(levels)}  # level -> why it cannot run here
     out = []
     for o in points:
-        why = level_not_here(base, str(o["precision"])) if "precision" in o else None
+        why = missing.get(str(o.get("precision")))
         if why:
             print(f"{table} | {label(o)}: not run here: {why}", flush=True)
             continue
-        out.append((label(o), table_config(base, table, o)))
+        out.append((label(o), o))
     if not out:  # no level of the table runs here: its points at the configured level, each once
         kept = {label(p): p for p in ({k: v for k, v in o.items() if k != "precision"} for o in points)}
-        out = [(name, table_config(base, table, o)) for name, o in kept.items()]
-    return out
+        out = list(kept.items())
+    return [(name, point_config(base, table, o, composed)) for name, o in out]
+
+
+def point_config(base: DictConfig, table: str, overrides: dict, composed: dict) -> DictConfig:
+    """table_config(base, table, overrides), composed once per set of group choices (`composed` keeps them): the
+    point's dotted keys (policy.token_budget=64) are set in place on a copy, then checked as a composition is."""
+    groups = {k: v for k, v in overrides.items() if "." not in k}
+    key = label(groups)
+    if key not in composed:
+        composed[key] = table_config(base, table, groups)
+    cfg = copy.deepcopy(composed[key])
+    for k, v in overrides.items():
+        if "." in k:
+            OmegaConf.update(cfg, k, v, merge=False)  # a key the config lacks fails (struct), as an override does
+    check(cfg)
+    return cfg

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from pipeline.config import compose_config
 from pipeline.params import PARAMS
-from pipeline.workloads.runs import point_overrides, runs
+from pipeline.workloads.runs import label, point_overrides, runs, table_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = [d.name for d in CONF.iterdir() if d.is_dir() and d.name != "experiment"]
@@ -27,9 +27,14 @@ def test_every_experiment_and_its_runs_compose(experiment):
     table = compose_config([f"+experiment={experiment}"]).table
     assert table.name == experiment
     composed = runs(base, experiment)
-    assert len(composed) == len(point_overrides(table)) >= 1
+    points = point_overrides(table)
+    assert len(composed) == len(points) >= 1
     for _, cfg in composed:
         assert cfg.policy.name and cfg.workload.name and cfg.load.process
+    last = {label({k: v for k, v in o.items() if "." not in k}): i for i, o in enumerate(points)}
+    for i in last.values():  # each group's last point, its dotted keys set in place: what Hydra composes from them all
+        assert OmegaConf.to_container(composed[i][1]) == OmegaConf.to_container(table_config(base, experiment,
+                                                                                               points[i]))
 
 
 def test_bad_option_lists_the_valid_ones():

@@ -17,6 +17,9 @@ FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this l
 ONE_GPU = "~computed.dgx-spark"  # one computed GPU report: the stage runs the same code for each
 TABLES = "tables=[main,prefill_stall,all_policies,kv_memory,shared_prefix,preemption]"  # those read below (a table's
 # stages run the same code for each; every table's runs compose in test_config and replay in test_precision_axis)
+SERVER = ("'bench.server.runs=[{name:engine-continuous,server:engine,policy:continuous,max_running:64,levels:[1,64],"
+          "n:4,mixed:true}]'")  # one engine server, mixed lengths too (the break-it case starts the batcher server)
+PRECISION = "bench.precision.sequences=8 bench.precision.tokens=64 bench.precision.greedy_requests=8"  # a short stream
 SHAPED = ("'bench.shaped.simulated.workloads=[azure-conv,azure-code]' "  # the production-shaped grid, smaller
           "'bench.shaped.simulated.multiples=[0.05,0.2,1.0]' 'bench.shaped.measured.workloads=[azure-conv]'")
 REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
@@ -51,7 +54,7 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
            "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
-    given = f"model=tiny-chat {FAST} '{ONE_GPU}' '{TABLES}' {SHAPED}"  # params.yaml composed with these
+    given = f"model=tiny-chat {FAST} '{ONE_GPU}' '{TABLES}' {SERVER} {PRECISION} {SHAPED}"  # params.yaml's overrides
     sh(f"git init -q && python -m pipeline.tools.write_params {given} && git add -A && git commit -qm start", repo, env)
     t = time.perf_counter()
     sh("dvc repro", repo, env)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from engine.core.kv_pools import LayerPools, seat_bytes
 from engine.factory import build_engine, build_net, load_source
 from engine.model.hf import generate_alone
-from engine.model.loader import prepare, random_model
+from engine.model.loader import prepared, random_model
 from engine.specs import PolicySpec
 from pipeline.config import kv_spec, model_spec
 from pipeline.measuring.equivalence import ARRIVE, LENS, POLICIES, STEP_KINDS, run_scenario, scenario_prompts
@@ -132,8 +132,7 @@ def real():
     """The real Gemma 3 270M in fp32, prepared from its packages on first use, its tokenizer and one engine model
     for every test (each holds its own copy of the weights)."""
     cfg = replace(REAL, path=str(ROOT / REAL.path))
-    if not (Path(cfg.path) / "config.json").exists():
-        prepare(cfg)
+    prepared(cfg)
     torch.set_num_threads(2)
     model, tok = load_source(cfg)
     return cfg, model, tok, build_net(model)
