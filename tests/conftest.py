@@ -40,12 +40,15 @@ def pytest_collection_modifyitems(config, items):
 def unmeasured_kernels(tmp_path_factory):
     """Every shape keeps the default kernel choice, unmeasured: timing the candidates on a real model's shapes costs
     minutes on a fresh machine and decides no test (tests/engine/kernels measure on purpose, SMALL_BYTES = 0). What
-    the tests do measure (GGUF blocks' kernels) goes to a copy of the machine's choices: timed beside the other
-    worker, it never becomes the choice a benchmark runs."""
+    the tests do measure (GGUF and bf16 blocks' kernels) goes to the session's copy of the machine's choices, shared by
+    its workers: timed beside another worker, it never becomes the choice a benchmark runs."""
     machine, path = choice.cache_path(), choice.cache_path  # a test's own LAB_CACHE_DIR keeps its own file
-    mine = tmp_path_factory.mktemp("kernel_choice") / "kernels.json"
-    if machine.exists():
-        shutil.copyfile(machine, mine)
+    session = tmp_path_factory.getbasetemp()
+    mine = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "kernels.json"
+    if machine.exists() and not mine.exists():
+        tmp = mine.with_suffix(f".{os.getpid()}.tmp")  # copied whole, then renamed: a worker reads all or nothing
+        shutil.copyfile(machine, tmp)
+        os.replace(tmp, mine)
     patch = pytest.MonkeyPatch()
     patch.setattr(choice, "SMALL_BYTES", float("inf"))
     patch.setattr(choice, "cache_path", lambda: mine if path() == machine else path())
