@@ -19,10 +19,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 repro: setup
 	dvc repro
 
-# the tests in TEST_WORKERS processes, each file whole in one (its module fixtures built once), the longest first
+# the tests in TEST_WORKERS processes, each file whole in one (its module fixtures built once), in the order collected
+# (tests/conftest.py puts the longest first)
 TEST_WORKERS ?= 2
 test: setup
-	pytest -n $(TEST_WORKERS) --dist loadfile -m "slow or not slow" -rs
+	pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "slow or not slow" -rs
 
 # On one CUDA GPU: the gpu-marked tests, then the whole pipeline in bf16 on the Llama-3.1-8B-shape model as a DVC
 # experiment in a temporary copy; its reports land in reports/machines/<fingerprint id>/ beside the CPU's.

@@ -1,7 +1,8 @@
 """The native CPU kernels (torch.ops.lab, sources in engine/kernels/csrc/, every operator registered in ops.cpp),
 built into one library once per machine with the system's C++ compiler for the best instruction-set build this CPU
 and torch run (BUILDS: AVX-512 with or without VNNI, AVX2, scalar; $LAB_KERNELS_BUILD names another) and kept in
-$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags. Where building or loading fails,
+$LAB_CACHE_DIR/native/ under a hash of the sources, torch's version and the flags, with its sha256 beside it (a library
+that does not match it, truncated or damaged, is built again, said in the log). Where building or loading fails,
 `ops()` is None and the steps run ATen's operators instead; the reason is logged once and kept in `error`.
 `capabilities()` says what the loaded build runs. The compiler: $CXX, else g++.
 """
@@ -80,7 +81,10 @@ def _build(flags: list[str] | None = None) -> Path:
     key = hashlib.sha256(code + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()
     lib = hardware.cache_dir() / "native" / f"lab_{key[:16]}.so"
     if lib.exists():
-        return lib
+        why = damaged(lib)
+        if why is None:
+            return lib
+        log.warning("kernel library %s %s: building it again", lib, why)
     lib.parent.mkdir(parents=True, exist_ok=True)
     cxx = compiler()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written library
@@ -97,7 +101,29 @@ def _build(flags: list[str] | None = None) -> Path:
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, lib)
+        sums = Path(tmp) / "sha256"
+        sums.write_text(_sha256(lib))
+        os.replace(sums, checksum(lib))  # last: a library without it is built again
     return lib
+
+
+def checksum(lib: Path) -> Path:
+    """The file holding `lib`'s sha256 (hex), written once the library is whole."""
+    return lib.with_suffix(".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def damaged(lib: Path) -> str | None:
+    """Why the cached library `lib` cannot be used as it is (no checksum beside it, or one it does not match), or
+    None."""
+    try:
+        want = checksum(lib).read_text().strip()
+    except OSError:
+        return "has no checksum beside it (written by an older build, or its build was stopped)"
+    return None if want == _sha256(lib) else "does not match its checksum (truncated or damaged)"
 
 
 def _register_fakes() -> None:

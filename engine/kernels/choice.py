@@ -16,6 +16,7 @@ with its own family only (engine/model/weights.py's choose_kernels). The cache: 
 ~/.cache/llm-batching-lab); delete it to measure again."""
 import hashlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 
 from engine import hardware
 from engine.kernels import ISA_LIMITS
+
+log = logging.getLogger(__name__)
 
 BUCKETS = (1, 4, 16, 64, 256, 1024)  # rows a candidate is measured at (256: chunked prefills, 1024: whole prompts)
 STREAMED = 64  # rows up to which a product streams its weights; beyond, compute-bound (see measure)
@@ -118,15 +121,38 @@ def steady(before: list[str], fresh: dict) -> list[str]:
     return out
 
 
+def read_cache(path: Path) -> dict:
+    """The cached choices in `path`: {} where there is none yet, or where it is damaged (said in the log; the shapes are
+    measured again and the file written whole)."""
+    try:
+        cached = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("kernel choices %s unreadable (%s: %s): measuring again", path, type(exc).__name__, exc)
+        return {}
+    if not isinstance(cached, dict) or not all(isinstance(v, dict) for v in cached.values()):
+        log.warning("kernel choices %s are not a mapping of entries: measuring again", path)
+        return {}
+    return cached
+
+
+def usable(entry, runs) -> bool:
+    """A cached entry times every candidate of `runs` at every bucket ("ms": rows -> {candidate: ms}) and chooses
+    one of them per bucket (an entry of other candidates or buckets, or a damaged one, is measured again)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("ms"), dict):
+        return False
+    ms, chosen = entry["ms"], entry.get("choice")
+    return (all(isinstance(ms.get(str(rows)), dict) and set(ms[str(rows)]) == set(runs) for rows in BUCKETS)
+            and isinstance(chosen, list) and len(chosen) == len(BUCKETS) and set(chosen) <= set(runs))
+
+
 def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, remeasure: bool = False) -> dict:
     """For each shape (in, out) -> its Dense objects: {"choice": [candidate per bucket], "ms": measured timings or
     None (not measured: `default`)}; measured once per machine and shape, then read from the cache (`remeasure`:
     measure again and replace the cached entry)."""
     path, key = cache_path(), machine_key(device, dtype)
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_cache(path)
     out, changed = {}, False
     for shape, mats in groups.items():
         family = getattr(mats[0], "family", None)  # a storage with kernels of its own (GGUF blocks): always measured
@@ -136,8 +162,7 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         if device.type not in ("cpu", "cuda") or small and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
-        measured = (cached.get(entry) or {}).get("ms") or {}  # rows -> {candidate: ms}
-        valid = all(set(measured.get(str(rows), ())) == set(runs) for rows in BUCKETS)  # current candidates, buckets
+        valid = usable(cached.get(entry), runs)
         if remeasure or not valid:
             for m in mats:
                 m.hold(runs)

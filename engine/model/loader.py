@@ -1,8 +1,10 @@
 """Build or load the causal LM a config names; only plain configs in, a model and maybe a tokenizer out. A model
-shipped as a GGUF file in a Python package is dequantized once into a plain safetensors folder (`prepare`)."""
+shipped as a GGUF file in a Python package is dequantized once into a plain safetensors folder (`prepare`), checked
+whole before each load (engine.model.integrity) and prepared again, said in the log, where it is not."""
 import fcntl
 import importlib
 import importlib.util
+import logging
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -10,6 +12,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from engine.model.integrity import folder_damage, package_file_damage, sha256, write_manifest
+
+log = logging.getLogger(__name__)
 
 ASSEMBLED = Path(__file__).resolve().parents[2] / "data" / "models"  # GGUF files reassembled from chunk packages
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,10 +53,7 @@ def load_model(model_cfg, dtype: str = "float32", device: str = "cpu"):
     torch_dtype = DTYPES[dtype]
     if model_cfg.source == "random":
         return random_model(dict(model_cfg.config), int(model_cfg.seed), torch_dtype, device), load_tokenizer(model_cfg)
-    path = Path(model_cfg.path)
-    if model_cfg.source == "gguf" and not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} is not prepared: run `dvc repro prepare_model` "
-                                "(or python -m pipeline.stages.prepare_model)")
+    path = prepared(model_cfg) if model_cfg.source == "gguf" else Path(model_cfg.path)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype).to(device).eval()
     return model, load_tokenizer(model_cfg)
 
@@ -89,9 +92,14 @@ def gguf_path(package: str, filename: str) -> Path:
 
 
 def assembled(package: str, out: Path) -> Path:
-    """`out`, written whole or not at all by the package's assemble() (chunks joined, sha256 checked) on first use."""
+    """`out`, written whole or not at all by the package's assemble() (chunks joined, sha256 checked) on first use,
+    and again where it no longer has the sha256 the package expects (said in the log)."""
     if out.exists():
-        return out
+        want = getattr(importlib.import_module(package), "EXPECTED_SHA256", None)
+        if want is None or sha256(out) == want:
+            return out
+        log.warning("assembled model file %s is not what package %s assembled (sha256): assembling it again",
+                    out, package)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.part")
     try:
@@ -135,11 +143,13 @@ def prepare(model_cfg) -> Path | None:
 
 
 def prepared(model_cfg) -> Path:
-    """model_cfg.path, prepared first unless it holds a prepared model already (processes that need one model at once
-    prepare it once: the others wait for it)."""
+    """model_cfg.path, prepared first unless it holds the whole prepared model already (every file the size it was
+    written; processes that need one model at once prepare it once: the others wait for it)."""
     out = Path(model_cfg.path)
     with _preparing(out):
-        if not (out / "config.json").exists():
+        why = folder_damage(out)
+        if why:
+            log.warning("prepared model %s %s: preparing it from %s", out, why, model_cfg.gguf_file)
             _write(model_cfg)
     return out
 
@@ -156,6 +166,8 @@ def _preparing(out: Path):
 def _write(model_cfg) -> Path:
     out = Path(model_cfg.path)
     src = gguf_path(model_cfg.package, model_cfg.gguf_file)
+    if why := package_file_damage(model_cfg.package, src):
+        raise RuntimeError(why)
     with _gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype="float32")
@@ -169,6 +181,8 @@ def _write(model_cfg) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    write_manifest(tmp)
+    tmp.chmod(0o755)  # mkdtemp's 0700 otherwise: the folder is read by whoever runs the lab
     old = out.parent / f"{tmp.name}-old"
     if out.exists():
         out.rename(old)  # the folder is the old one or the new one at every moment but between these two renames

@@ -112,13 +112,23 @@ def test_a_candidate_is_timed_after_its_own_untimed_run_the_fastest_kept(monkeyp
     assert calls[:2 * (1 + kernels.REPEATS)] == ["other"] * (1 + kernels.REPEATS) + ["fast"] * (1 + kernels.REPEATS)
 
 
-def test_a_broken_cache_is_measured_again(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage, said", [('{"half-writ', "unreadable (JSONDecodeError"),
+                                          ("[1, 2]", "are not a mapping of entries"), ("no entry", None)])
+def test_a_broken_cache_is_measured_again_and_said(tiny_llama, tmp_path, monkeypatch, caplog, damage, said):
+    """Cut short, not a mapping, or an entry whose choice is not one of its candidates: measured again, the file named
+    in the log where it cannot be read at all, then written whole."""
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "SMALL_BYTES", 0)
-    (tmp_path / "kernels.json").write_text('{"half-writ')
-    net = build_net(tiny_llama)
-    assert all(c["ms"] is not None for c in net.kernels.values())
-    assert json.loads((tmp_path / "kernels.json").read_text())  # replaced whole
+    path = tmp_path / "kernels.json"
+    if damage == "no entry":
+        build_net(tiny_llama)
+        damage = json.dumps({k: {**v, "choice": ["gone"] * len(kernels.BUCKETS)}
+                             for k, v in json.loads(path.read_text()).items()})
+    path.write_text(damage)
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        net = build_net(tiny_llama)
+    assert all(c["ms"] is not None and "gone" not in c["choice"] for c in net.kernels.values())
+    assert json.loads(path.read_text()) and (said is None or f"kernel choices {path} {said}" in caplog.text)
 
 
 def test_small_shapes_keep_the_default_unmeasured(tiny_llama, tmp_path, monkeypatch):

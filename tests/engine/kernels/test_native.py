@@ -135,21 +135,27 @@ def test_empty_sizes_give_empty_results_or_a_clear_error():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_CXX, reason=f"no {CXX} on the PATH")
-def test_library_is_built_once_per_machine(tmp_path, monkeypatch):
+def test_library_is_built_once_per_machine_and_again_when_damaged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "SOURCES", native.SOURCES[:1])  # one object: the cache is under test, not the code
     monkeypatch.setattr(native, "_precompiled", lambda *a: [])  # for one source, precompiled headers save nothing
+    popen, compiled = subprocess.Popen, []
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: compiled.append(a) or popen(*a, **k))  # compiler runs
     flags = [f if f != "-O3" else "-O0" for f in native._flags()]  # unoptimised, likewise
     lib = native._build(flags)
-    assert lib.parent == tmp_path / "native" and lib.stat().st_size > 0
-    assert list(lib.parent.iterdir()) == [lib]  # nothing half-written left beside it
-
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again although cached")
-
-    monkeypatch.setattr(subprocess, "run", no_compiling)
-    monkeypatch.setattr(subprocess, "Popen", no_compiling)
-    assert native._build(flags) == lib
+    assert lib.parent == tmp_path / "native" and lib.stat().st_size > 0 and native.damaged(lib) is None
+    assert sorted(lib.parent.iterdir()) == sorted([lib, native.checksum(lib)])  # nothing half-written beside it
+    whole = lib.read_bytes()
+    compiled.clear()
+    assert native._build(flags) == lib and not compiled  # cached: nothing compiled again
+    for harm, said in ((lambda: lib.write_bytes(whole[:len(whole) // 2]), "does not match its checksum"),
+                       (lambda: native.checksum(lib).unlink(), "has no checksum")):
+        harm()
+        with caplog.at_level("WARNING", logger=native.__name__):
+            assert native._build(flags) == lib
+        assert compiled and lib.read_bytes() == whole and native.damaged(lib) is None  # built again, whole
+        assert f"kernel library {lib} {said}" in caplog.text
+        compiled.clear()
 
 
 POLICIES = [PolicySpec.of("continuous", 3), PolicySpec.of("chunked", 3, token_budget=16)]
