@@ -13,6 +13,7 @@ bench.precision.lossless_kld times the floor's and its top-1 without near-ties r
 """
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,13 +65,33 @@ def token_stream(net, tokenizer, vocab_size: int, sequences: int, length: int, s
     return [p + o for p, o in zip(prompts, outs)]
 
 
+def committed_stream(path: Path, vocab_size: int) -> dict:
+    """A committed stream, read and checked whole: every sequence `tokens` ids below the vocabulary's size. A damaged
+    one stops the run naming the file and what mends it (its figures would not be the committed ones)."""
+    try:
+        s = json.loads(path.read_text())
+        seqs, length = s["sequences"], int(s["tokens"])
+        whole = (isinstance(seqs, list) and all(isinstance(q, list) and len(q) == length for q in seqs)
+                 and all(isinstance(t, int) and 0 <= t < vocab_size for q in seqs for t in q))
+        why = None if whole and {"seed", "machine"} <= s.keys() else (
+            f"a sequence not {length} tokens long, a token id outside the vocabulary of {vocab_size}, or no seed or "
+            "machine")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        rel = path.relative_to(ROOT)
+        raise ValueError(f"{rel} is damaged ({why}): restore it with `git checkout -- {rel}`, or delete it to continue "
+                         "a new stream on this machine (its figures then differ from the committed ones)")
+    return s
+
+
 def stream_for(model: str, net, tokenizer, vocab_size: int, sequences: int, length: int,
                seed: int) -> tuple[list[list[int]], str]:
     """The first `sequences` of the model's committed stream where it holds that many of `length` tokens at `seed`,
     else token_stream's here; and where they came from."""
     path = STREAMS / f"{model}.json"
     if path.exists():
-        s = json.loads(path.read_text())
+        s = committed_stream(path, vocab_size)
         if (s["seed"], s["tokens"]) == (seed, length) and len(s["sequences"]) >= sequences:
             return s["sequences"][:sequences], f"{path.relative_to(ROOT)} (continued by fp32 on {s['machine']})"
     return token_stream(net, tokenizer, vocab_size, sequences, length, seed), "continued by fp32 on this machine"

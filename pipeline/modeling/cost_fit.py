@@ -95,10 +95,18 @@ def fit_replays(tables: dict[str, dict], steps: pd.DataFrame, hw: dict, levels_f
     disturbed = {(name, r["point"]) for name, t in tables.items() for r in t["rows"] if r.get("disturbed")}
     runs = pd.Series(list(zip(steps["table"], steps["point"])), index=steps.index)
     level = runs.map(levels)
-    keep = ~runs.isin(disturbed) & (steps["duration"] > 0)
+    timed = steps["duration"] > 0
+    keep = ~runs.isin(disturbed) & timed
+    clean = (keep & (level == base)).sum() > len(FEATURES)  # more undisturbed steps than coefficients
+    if not clean:  # a machine busy throughout: the fit to every step, said, rather than none
+        print(f"fit_cost_model: fewer than {len(FEATURES) + 1} undisturbed steps at {base}; fitted to the disturbed "
+              "runs too (the fit says `disturbed`)", flush=True)
+        keep, disturbed = timed, set()
     model, stats = fit(steps[keep & (level == base)])
     principles = first_principles(roof, steps[keep & (level == base)]) if roof is not None else None
     stats["left_out_runs"] = sorted(f"{t} | {p}" for t, p in disturbed)
+    if not clean:
+        stats["disturbed"] = True  # fitted to steps timed while other work ran
     by_level = {}
     if levels_from in tables:
         for name in dict.fromkeys(r.get("precision", base) for r in tables[levels_from]["rows"]):

@@ -145,8 +145,10 @@ def cost_model(result: dict):
                      f"{fp['bytes_per_weight']:.2f} bytes a weight, every efficiency term at 1 and no fixed cost: "
                      "the one place the method's error shows against measured steps.")
         metrics["cost_model.first_principles.median_rel_error"] = round(fp["median_rel_error"], 4)
+    busy = (" Every replay was disturbed (other work took CPU time while it ran): the fit includes them, and its "
+            "coefficients are those of a busy machine.") if f.get("disturbed") else ""
     return (f"{coef}\n\nFit error by kind of step:\n\n{per_kind}\n\n{knee}\n\n"
-            f"Fitted to {f['steps']} measured steps."), metrics
+            f"Fitted to {f['steps']} measured steps.{busy}"), metrics
 
 
 def validation(sim: dict):

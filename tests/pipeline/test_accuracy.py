@@ -2,7 +2,7 @@
 divergence, top-1 agreement, near-ties and the stream's negative log-likelihoods, over more positions than one
 block of rows; identical logits give a divergence of exactly zero; lossless is decided against the floor; a greedy
 output cut short is no exact match; the stream's prompts are distinct, and a committed stream is read only where it
-holds the sequences, length and seed asked."""
+holds the sequences, length and seed asked, and stops the run, named, where it is damaged."""
 import json
 
 import pytest
@@ -75,3 +75,22 @@ def test_a_committed_stream_is_read_where_it_fits_else_one_is_made_here(tiny_lla
     for other in ((5, 64, 0), (3, 48, 0), (3, 64, 1)):  # more sequences than held, another length, another seed
         assert accuracy.stream_for("tiny", net, None, tiny_llama.config.vocab_size, *other)[1] == \
             "continued by fp32 on this machine"
+
+
+@pytest.mark.parametrize("damage", ["cut", "length", "vocab"])
+def test_a_damaged_committed_stream_stops_naming_the_file_and_the_mend(tiny_llama, tmp_path, monkeypatch, damage):
+    monkeypatch.setattr(accuracy, "ROOT", tmp_path)
+    monkeypatch.setattr(accuracy, "STREAMS", tmp_path / "data" / "streams")
+    accuracy.STREAMS.mkdir(parents=True)
+    vocab = tiny_llama.config.vocab_size
+    held = {"model": "tiny", "seed": 0, "tokens": 64, "machine": "M", "sequences": [[7] * 64, [8] * 64]}
+    text = json.dumps(held)
+    if damage == "cut":
+        text = text[:len(text) // 2]
+    elif damage == "length":
+        text = json.dumps({**held, "sequences": [[7] * 64, [8] * 63]})
+    else:
+        text = json.dumps({**held, "sequences": [[7] * 64, [vocab] * 64]})
+    (accuracy.STREAMS / "tiny.json").write_text(text)
+    with pytest.raises(ValueError, match=r"streams/tiny\.json is damaged .*git checkout -- data/streams/tiny\.json"):
+        accuracy.stream_for("tiny", None, None, vocab, 2, 64, 0)

@@ -17,6 +17,7 @@ from pipeline.modeling.cost_fit import fit_replays
 from pipeline.modeling.simulation import level_gains
 from pipeline.reporting import precision_table, report
 from pipeline.reporting.scoreboard import scoreboard
+from pipeline.reporting.tables import cost_model
 from pipeline.workloads.runs import runs
 
 LEVELS = ("fp32", "w4", "bf16")
@@ -101,6 +102,13 @@ def test_a_cost_model_is_fitted_per_level():
     assert out["levels"]["w4"]["cost_model"]["fixed"] == pytest.approx(0.005, rel=1e-3)
     assert out["levels"]["w4"]["fit"]["steps"] == 200
     assert "levels" in fit_replays(tables, steps, hw) and fit_replays(tables, steps, hw)["levels"] == {}
+    assert "disturbed" not in out["fit"] and out["fit"]["left_out_runs"] == []
+    for t in tables.values():  # a machine busy throughout: every replay disturbed; fitted to them all, said
+        t["rows"] = [{**r, "disturbed": True} for r in t["rows"]]
+    busy = fit_replays(tables, steps, hw)
+    assert busy["fit"]["disturbed"] is True and busy["fit"]["steps"] == 400 and busy["fit"]["left_out_runs"] == []
+    assert busy["cost_model"]["fixed"] == pytest.approx(0.02, rel=1e-3)
+    assert "coefficients are those of a busy machine" in cost_model(busy)[0]
 
 
 def test_each_level_drives_the_same_policies_in_simulation():
