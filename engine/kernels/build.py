@@ -17,6 +17,7 @@ import torch
 
 from engine import hardware
 from engine.kernels import BUILD_VAR
+from engine.model.integrity import sha256  # a file's digest, read in chunks
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
@@ -102,7 +103,7 @@ def _build(flags: list[str] | None = None) -> Path:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, lib)
         sums = Path(tmp) / "sha256"
-        sums.write_text(_sha256(lib))
+        sums.write_text(sha256(lib))
         os.replace(sums, checksum(lib))  # last: a library without it is built again
     return lib
 
@@ -112,10 +113,6 @@ def checksum(lib: Path) -> Path:
     return lib.with_suffix(".sha256")
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def damaged(lib: Path) -> str | None:
     """Why the cached library `lib` cannot be used as it is (no checksum beside it, or one it does not match), or
     None."""
@@ -123,7 +120,7 @@ def damaged(lib: Path) -> str | None:
         want = checksum(lib).read_text().strip()
     except OSError:
         return "has no checksum beside it (written by an older build, or its build was stopped)"
-    return None if want == _sha256(lib) else "does not match its checksum (truncated or damaged)"
+    return None if want == sha256(lib) else "does not match its checksum (truncated or damaged)"
 
 
 def _register_fakes() -> None:
