@@ -1,5 +1,6 @@
 """This machine's hardware: its CPU and the instruction sets its kernels use, memory, package versions, a device's
 queue, and where what is measured or built once per machine is kept."""
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -44,6 +45,15 @@ def cpu_units() -> set[str]:
 def cache_dir() -> Path:
     """Where what is measured or compiled once per machine is kept: kernels.json, inductor/ (compiled steps)."""
     return Path(os.environ.get("LAB_CACHE_DIR") or Path.home() / ".cache" / "llm-batching-lab")
+
+
+def sha256(path: Path) -> str:
+    """A file's sha256 (hex), read in chunks: what the caches and prepared models are checked by."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def memory_gib() -> int:

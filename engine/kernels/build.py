@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from engine import hardware
+from engine.hardware import sha256
 from engine.kernels import BUILD_VAR
-from engine.model.integrity import sha256  # a file's digest, read in chunks
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"

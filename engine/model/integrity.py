@@ -1,20 +1,13 @@
 """Whole or damaged: a prepared model folder against the manifest written with it (each file's size and sha256), and a
 file an installed Python package ships against the package's RECORD (the size and sha256 pip installed)."""
 import base64
-import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
 
+from engine.hardware import sha256
+
 MANIFEST = "lab_prepared.json"  # in a prepared folder: {"files": {name: {"bytes": size, "sha256": hex digest}}}
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:
