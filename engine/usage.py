@@ -6,13 +6,21 @@ import time
 from dataclasses import dataclass
 
 
-def rss_mb(field: str = "VmRSS") -> float:
-    """Resident set size of this process (VmRSS), or its peak (VmHWM), MB."""
-    with open("/proc/self/status") as f:
+def rss_mb(field: str = "VmRSS", pid: int | str = "self") -> float:
+    """Resident set size of a process (VmRSS), or its peak (VmHWM), MB."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024 / 1e6  # the kernel counts KiB
     return 0.0
+
+
+def held(pid: int | str = "self") -> dict:
+    """What a live process holds now: resident memory (MB), OS threads (torch's and OpenMP's included), open files
+    (sockets included)."""
+    with open(f"/proc/{pid}/status") as f:
+        threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    return {"rss_mb": rss_mb(pid=pid), "threads": threads, "open_files": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 MMAP_LIMIT = 32 * 2**20  # bytes: larger allocations get fresh pages from the kernel (glibc's upper bound)

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from pipeline.config import ROOT
-from pipeline.results import write_json
+from pipeline.results import together, write_json
 
 TIMINGS = ROOT / "reports" / "timings.json"
 MACHINE = ROOT / "reports" / "machine.json"
@@ -21,12 +21,18 @@ def _stopped(signum, frame):
 @contextmanager
 def timed_stage(name: str | None = None, path=TIMINGS):
     """Time the block as stage `name` (default: the running module's name) and record it when the block ends
-    without an error, under the machine of reports/machine.json (this one's fingerprint where there is none)."""
+    without an error, under the machine of reports/machine.json (this one's fingerprint where there is none); the
+    block's result files land together at its end (pipeline.results.together)."""
     name = name or sys.argv[0].rsplit("/", 1)[-1].removesuffix(".py")
     signal.signal(signal.SIGTERM, _stopped)  # a stopped stage unwinds: the servers it started are stopped too
     t = time.perf_counter()
-    yield
-    seconds = time.perf_counter() - t
+    with together():  # the stage's outputs land together when it ends, or none of them
+        yield
+    record(name, time.perf_counter() - t, path)
+
+
+def record(name: str, seconds: float, path) -> None:
+    """The stage's entry in the timings file."""
     try:
         machine = json.loads(MACHINE.read_text())
     except (OSError, ValueError):

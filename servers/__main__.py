@@ -18,6 +18,7 @@ from engine.model.loader import eos_ids, pad_id
 from pipeline import isa
 from pipeline.config import compose_config, kv_spec, load_net, load_source, policy_spec
 from servers.app import create_app
+from servers.connections import uvicorn_config
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
 
@@ -48,9 +49,11 @@ def main(argv: list[str]):
     cfg = compose_config(overrides)
     isa.apply(cfg.isa)  # before torch does any work: torch, MKL and oneDNN read it once
     app, worker = build(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_level="warning",
-                                           timeout_graceful_shutdown=5,
-                                           limit_concurrency=int(cfg.server.max_connections)))
+    srv = cfg.server
+    server = uvicorn.Server(uvicorn_config(app, srv.host, int(srv.port), max_connections=int(srv.max_connections),
+                                           read_timeout_s=float(srv.read_timeout_s),
+                                           send_timeout_s=float(srv.send_timeout_s),
+                                           max_unread_bytes=int(srv.max_unread_bytes)))
     http = threading.Thread(target=server.run, name="http", daemon=True)
     http.start()
     grace = float(cfg.server.shutdown_grace_s)

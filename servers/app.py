@@ -16,7 +16,8 @@ aborted within one engine step.
 Bounds on what a client can make the server do (each in conf/server): a body over `max_body_bytes` gets 413 before
 it is read whole; a prompt with more characters than `max_request_tokens` tokens can hold (as many as the longest
 token in the vocabulary has) gets 400 before it is tokenized; text that is not valid Unicode (a lone surrogate from a
-JSON escape) and a body that is not JSON or too deeply nested get 400.
+JSON escape) and a body that is not JSON or too deeply nested get 400. Below the app, servers/connections.py bounds the
+connections themselves: the time to send a request, the bytes left unread, their number.
 
 Logprobs are those of the raw model distribution (before penalties, temperature, top-k and top-p), as vLLM and
 OpenAI report them; the Hugging Face generate backends refuse logprobs and penalties (400).

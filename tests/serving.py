@@ -16,6 +16,7 @@ from engine.model.loader import eos_ids, pad_id
 from engine.specs import PolicySpec
 from pipeline.config import kv_spec
 from servers.app import create_app
+from servers.connections import uvicorn_config
 from servers.generate_worker import GenerateWorker
 from servers.worker import EngineWorker
 
@@ -40,7 +41,8 @@ class Server:
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
 
     def __init__(self, model, tok, policy, api_key=None, max_waiting=64, max_request_tokens=512, max_queue_wait_s=10.0,
-                 kv=kv_spec("slot"), max_body_bytes=4 * 2**20):
+                 kv=kv_spec("slot"), max_body_bytes=4 * 2**20, read_timeout_s=20.0, send_timeout_s=10.0,
+                 max_unread_bytes=262144):
         if not isinstance(policy, PolicySpec):  # the HF generate backends
             self.worker = GenerateWorker(model, eos_ids(model), max_request_tokens, policy["max_batch"],
                                          policy["max_wait_ms"], max_waiting, pad_id(tok))
@@ -51,7 +53,9 @@ class Server:
         self.port = free_port()
         app = create_app(self.worker, tok, "tiny-chat", api_key, default_max_tokens=16,
                          max_queue_wait_s=max_queue_wait_s, max_body_bytes=max_body_bytes)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, max_connections=2048,
+                                                    read_timeout_s=read_timeout_s, send_timeout_s=send_timeout_s,
+                                                    max_unread_bytes=max_unread_bytes, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_for(lambda: self.server.started, 30, "the test server did not start within 30 s")

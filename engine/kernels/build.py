@@ -9,6 +9,7 @@ that does not match it, truncated or damaged, is built again, said in the log). 
 import hashlib
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -16,11 +17,13 @@ from pathlib import Path
 import torch
 
 from engine import hardware
+from engine.children import dies_with_parent, running
 from engine.hardware import sha256
 from engine.kernels import BUILD_VAR
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
+BUILDING = "building-"  # a build folder's name: this, its process id, a random tail
 SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "token_attention.cpp", "q4_1.cpp",
                               "q8_0.cpp", "q4_k.cpp", "q5_0.cpp", "q6_k.cpp", "bf16.cpp", "layer.cpp")]  # in parallel
 AVX512 = ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
@@ -70,7 +73,7 @@ def _precompiled(cxx: str, flags: list[str], folder: Path) -> list[str]:
     header.write_text("".join(f"#include <{h}>\n" for h in TORCH_HEADERS))
     compile_only = [f for f in flags if f != "-shared" and not f.startswith(("-L", "-l", "-Wl,"))]
     made = subprocess.run([cxx, "-x", "c++-header", str(header), "-o", f"{header}.gch", *compile_only],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, preexec_fn=dies_with_parent())
     return ["-include", str(header)] if made.returncode == 0 else []
 
 
@@ -88,17 +91,20 @@ def _build(flags: list[str] | None = None) -> Path:
         log.warning("kernel library %s %s: building it again", lib, why)
     lib.parent.mkdir(parents=True, exist_ok=True)
     cxx = compiler()
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # built aside, then moved: no half-written library
+    clear_stopped_builds(lib.parent)
+    # built aside, then moved: no half-written library
+    with tempfile.TemporaryDirectory(dir=lib.parent, prefix=f"{BUILDING}{os.getpid()}-") as tmp:
         objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
         pch = _precompiled(cxx, flags, Path(tmp))
-        jobs = [subprocess.Popen([cxx, "-c", str(src), "-o", str(o), *flags, *pch], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for src, o in zip(SOURCES, objects)]  # in parallel
+        jobs = [running([cxx, "-c", str(src), "-o", str(o), *flags, *pch], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True) for src, o in zip(SOURCES, objects)]  # in parallel
         for job in jobs:
             _, err = job.communicate()
             if job.returncode:
                 raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
         out = Path(tmp) / lib.name
-        done = subprocess.run([cxx, *map(str, objects), "-o", str(out), *flags], capture_output=True, text=True)
+        done = subprocess.run([cxx, *map(str, objects), "-o", str(out), *flags], capture_output=True, text=True,
+                              preexec_fn=dies_with_parent())
         if done.returncode:
             raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
         os.replace(out, lib)
@@ -106,6 +112,15 @@ def _build(flags: list[str] | None = None) -> Path:
         sums.write_text(sha256(lib))
         os.replace(sums, checksum(lib))  # last: a library without it is built again
     return lib
+
+
+def clear_stopped_builds(folder: Path) -> None:
+    """Remove the folders of builds whose process is gone (killed mid-build: its compilers died with it)."""
+    for old in folder.glob(f"{BUILDING}*"):
+        pid = old.name.removeprefix(BUILDING).split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            log.warning("removing %s, left by a build that was stopped", old)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def checksum(lib: Path) -> Path:

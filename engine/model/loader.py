@@ -1,10 +1,12 @@
 """Build or load the causal LM a config names; only plain configs in, a model and maybe a tokenizer out. A model
 shipped as a GGUF file in a Python package is dequantized once into a plain safetensors folder (`prepare`), checked
 whole before each load (engine.model.integrity) and prepared again, said in the log, where it is not."""
+import errno
 import fcntl
 import importlib
 import importlib.util
 import logging
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -178,10 +180,23 @@ def _write(model_cfg) -> Path:
         model.generation_config.eos_token_id = list(eos) if isinstance(eos, tuple) else int(eos)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    temporary = re.compile(rf"\.{re.escape(out.name)}-[a-z0-9_]{{8}}(-old)?")  # mkdtemp's names below
+    for stale in (p for p in out.parent.iterdir() if temporary.fullmatch(p.name)):  # a preparation killed midway
+        log.warning("removing %s, left by a preparation that was stopped", stale)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    write_manifest(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        need = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        raise OSError(exc.errno, f"no room to prepare {out}: about {need} bytes needed, "
+                                 f"{shutil.disk_usage(out.parent).free} free; the previous folder is kept as it was. "
+                                 f"Free some space (df {out.parent}) and run again.") from exc
     tmp.chmod(0o755)  # mkdtemp's 0700 otherwise: the folder is read by whoever runs the lab
     old = out.parent / f"{tmp.name}-old"
     if out.exists():

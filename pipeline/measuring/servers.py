@@ -2,11 +2,9 @@
 its parent (running), loaded closed-loop at each concurrency after a warm-up round, stopped; the main workload open
 loop; the in-process references."""
 import asyncio
-import ctypes
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +14,7 @@ import httpx
 import pandas as pd
 from omegaconf import OmegaConf
 
+from engine.children import running
 from engine.model.loader import pad_id
 from pipeline.config import ROOT, build_net, load_source
 from pipeline.measuring.disturbance import measured, server_pids
@@ -25,36 +24,11 @@ from pipeline.measuring.timing import engine_run, hf_generate, warm_compiled
 from pipeline.workloads.prompts import CHAT, chat_ids
 from pipeline.workloads.runs import level_not_here
 
-PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process gets when the thread that started it ends
-
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def dies_with_parent():
-    """A preexec_fn for subprocess: the child gets SIGKILL when the thread that started it ends, however it ends
-    (kill -9, the OOM killer), so that no server or busy loop outlives the stage or tool that started it; a child
-    whose parent is already gone by then ends at once. Linux's parent-death signal follows the starting thread, not
-    the process: start children from the main thread. None where the C library has no prctl."""
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # looked up before the fork
-    if prctl is None:
-        return None
-    parent = os.getpid()
-
-    def preexec():
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:
-            os._exit(1)
-    return preexec
-
-
-def running(args: list[str], **popen) -> subprocess.Popen:
-    """subprocess.Popen(args, **popen) for every child process the lab starts: it dies with its parent
-    (dies_with_parent)."""
-    return subprocess.Popen(args, preexec_fn=dies_with_parent(), **popen)
 
 
 def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:

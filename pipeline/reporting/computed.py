@@ -10,6 +10,7 @@ import pandas as pd  # noqa: E402
 
 from pipeline.reporting.plots import throughput_vs_ttft  # noqa: E402
 from pipeline.reporting.tables import fmt, markdown  # noqa: E402
+from pipeline.results import write_figure  # noqa: E402
 
 NOTE = ("Every figure here is **computed**, not measured: the lab's own scheduler on a virtual clock whose steps cost "
         "what the spec sheet's roofline says (pipeline/modeling/roofline.py).")
@@ -96,7 +97,7 @@ def step_plot(rows: list[dict], title: str, path) -> None:
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(path, fig, 120)
     plt.close(fig)
 
 

@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from pipeline.results import write_text  # noqa: E402
+from pipeline.results import write_figure, write_text  # noqa: E402
 
 
 def load_rows(folder) -> pd.DataFrame:
@@ -35,7 +35,7 @@ def throughput_vs_ttft(points: pd.DataFrame, slo_s: float, title: str, path):
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_figure(path, fig, 120)
     plt.close(fig)
     write_text(path.with_suffix(".csv"), points.to_csv(index=False))
 
@@ -85,7 +85,7 @@ def draw_all(results, plots):
         ax.tick_params(axis="x", labelsize=7, rotation=20)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(plots / "prefill_stall.png", dpi=120)
+        write_figure(plots / "prefill_stall.png", fig, 120)
         plt.close(fig)
 
 
@@ -103,7 +103,7 @@ def kv_plots(engine: pd.DataFrame, plots):
         a.legend(fontsize=7)
         fig.suptitle("One KV memory budget: slot seats against paged blocks (measured)", fontsize=10)
         fig.tight_layout()
-        fig.savefig(plots / "kv_memory.png", dpi=110)
+        write_figure(plots / "kv_memory.png", fig, 110)
         plt.close(fig)
     sp = engine[engine["table"] == "shared_prefix"]
     if len(sp):
@@ -117,7 +117,7 @@ def kv_plots(engine: pd.DataFrame, plots):
         ax.set_title("Prefix caching: TTFT against the shared prefix (measured)", fontsize=10)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(plots / "shared_prefix.png", dpi=110)
+        write_figure(plots / "shared_prefix.png", fig, 110)
         plt.close(fig)
 
 
@@ -133,7 +133,7 @@ def simulation_plots(sim: dict, plots):
         ax.set_ylabel(f"simulated {name}")
     fig.suptitle("Simulator against real runs", fontsize=10)
     fig.tight_layout()
-    fig.savefig(plots / "simulator_validation.png", dpi=110)
+    write_figure(plots / "simulator_validation.png", fig, 110)
     plt.close(fig)
     sw = pd.DataFrame([r for r in sim["sweeps"] if r["axis"] == "load.multiple"])
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
@@ -145,5 +145,5 @@ def simulation_plots(sim: dict, plots):
     a.legend(fontsize=7)
     fig.suptitle("Load sweep, simulated (median of 3 seeds)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(plots / "load_sweep.png", dpi=110)
+    write_figure(plots / "load_sweep.png", fig, 110)
     plt.close(fig)

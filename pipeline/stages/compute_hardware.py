@@ -10,7 +10,7 @@ from pipeline.config import ROOT
 from pipeline.modeling.computed import compute
 from pipeline.params import load
 from pipeline.reporting.computed import report
-from pipeline.results import write_json, write_text
+from pipeline.results import owns, write_json, write_text
 from pipeline.timings import timed_stage
 
 if __name__ == "__main__":
@@ -21,6 +21,7 @@ if __name__ == "__main__":
         with timed_stage(f"compute_hardware@{name}"):
             out = compute(OmegaConf.to_container(cfg.computed[name]), int(cfg.seed))
             folder = ROOT / "reports" / "hardware" / name
+            owns(folder)
             validation = ROOT / "reports" / "gpu_validation.json"
             write_json(folder / "computed.json", out)
             write_text(folder / "REPORT.md", report(out, json.loads(validation.read_text()) if validation.exists()

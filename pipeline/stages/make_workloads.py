@@ -5,7 +5,7 @@ import sys
 
 from pipeline.config import ROOT
 from pipeline.params import load
-from pipeline.results import write_parquet
+from pipeline.results import owns, write_parquet
 from pipeline.timings import timed_stage
 from pipeline.workloads.generate import table_workloads, tokenizer_and_vocab
 from pipeline.workloads.runs import runs
@@ -25,6 +25,8 @@ if __name__ == "__main__":
     with timed_stage("make_workloads"):
         cfg = load([])
         tok, vocab = tokenizer_and_vocab(cfg)
+        if not sys.argv[1:]:
+            owns(ROOT / "data" / "workloads")
         for table in sys.argv[1:] or list(cfg.tables):
             out = table_workloads(cfg, table, tok, vocab)
             write_parquet(ROOT / "data" / "workloads" / f"{table}.parquet", out,

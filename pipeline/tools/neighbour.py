@@ -9,10 +9,10 @@ import time
 import torch
 
 from engine import threads
+from engine.children import running
 from pipeline.config import ROOT, build_net, load_source
 from pipeline.measuring.disturbance import Watch
 from pipeline.measuring.fingerprint import environment
-from pipeline.measuring.servers import running
 from pipeline.measuring.timing import engine_run
 from pipeline.params import load
 from pipeline.results import write_json

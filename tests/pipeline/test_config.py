@@ -64,5 +64,27 @@ def test_an_edited_params_yaml_fails_the_same_way(tmp_path, monkeypatch):
     assert params.load([]).precision.name == OmegaConf.load(PARAMS).precision.name  # the committed one loads
 
 
+@pytest.mark.parametrize("key, value, said", [
+    ("threads", "two", "threads is text ('two'), where conf/ gives a whole number (2)"),
+    ("policy.max_running", 8.5, "policy.max_running is a number (8.5), where conf/ gives a whole number"),
+    ("server.port", [8000], "server.port is a list ([8000]), where conf/ gives a whole number"),
+    ("measure", 3, "measure is a whole number (3), where conf/ gives a section"),
+    ("server.read_timeout_s", None, "lacks server.read_timeout_s, which conf/ gives (20)"),
+], ids=["text-for-int", "float-for-int", "list-for-int", "int-for-section", "missing"])
+def test_a_params_yaml_value_of_the_wrong_kind_fails_naming_its_key(tmp_path, monkeypatch, key, value, said):
+    from pipeline import params
+
+    cfg = OmegaConf.load(PARAMS)
+    if value is None:
+        del cfg.server[key.split(".")[1]]
+    else:
+        OmegaConf.update(cfg, key, value, force_add=True)
+    OmegaConf.save(cfg, tmp_path / "params.yaml")
+    monkeypatch.setattr(params, "PARAMS", tmp_path / "params.yaml")
+    with pytest.raises(ValueError, match="compose it again") as err:
+        params.load([])
+    assert f"params.yaml {said}" in str(err.value)
+
+
 def test_params_yaml_is_the_composed_default():
     assert OmegaConf.to_container(OmegaConf.load(PARAMS)) == OmegaConf.to_container(compose_config([]))

@@ -31,7 +31,8 @@ def test_isa_avx2_builds_avx2_only_on_an_avx512_cpu():
 def built(peers, level: str, flags: list[str]):
     out = peers / "llama.cpp" / f"build-{level}"
     (out / "bin").mkdir(parents=True)
-    (out / "bin" / "llama-server").write_text("")
+    (out / "bin" / "llama-server").write_text("#!/bin/sh\necho version: 1\n")
+    (out / "bin" / "llama-server").chmod(0o755)
     (out / "BUILT_FROM").write_text(json.dumps({"version": "0.3.36", "flags": [*llama_cpp.CMAKE, *flags]}) + "\n")
     return out / "bin" / "llama-server"
 
@@ -41,8 +42,7 @@ def test_each_level_keeps_its_own_build_reused_for_its_version_and_flags_only(tm
     (tmp_path / "llama.cpp" / "SOURCE").write_text("0.3.36\n")
     native = built(tmp_path, "native", ["-DGGML_AVX512=ON"])
     avx2 = built(tmp_path, "avx2", ["-DGGML_AVX512=OFF"])
-    calls = []
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(OSError("no")))
+    calls = building(monkeypatch)
     assert llama_cpp.build("0.3.36", tmp_path, ["-DGGML_AVX512=ON"], "native") == (
         native, [*llama_cpp.CMAKE, "-DGGML_AVX512=ON"]) and not calls
     assert llama_cpp.build("0.3.36", tmp_path, ["-DGGML_AVX512=OFF"], "avx2")[0] == avx2 and not calls
@@ -56,11 +56,29 @@ def test_another_version_fetches_its_sdist_again(tmp_path, monkeypatch):
     (tmp_path / "llama.cpp").mkdir()
     (tmp_path / "llama.cpp" / "SOURCE").write_text("0.3.36\n")
     native = built(tmp_path, "native", [])
-    calls = []
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(OSError("no")))
+    calls = building(monkeypatch)
     with pytest.raises(OSError):
         llama_cpp.build("0.3.37", tmp_path, [], "native")
     assert not native.exists() and "llama-cpp-python==0.3.37" in calls[0][0]
+
+
+def test_a_build_that_does_not_run_is_built_again(tmp_path, monkeypatch, caplog):
+    (tmp_path / "llama.cpp").mkdir()
+    (tmp_path / "llama.cpp" / "SOURCE").write_text("0.3.36\n")
+    native = built(tmp_path, "native", [])
+    native.write_bytes(b"\x7fELF\x02\x01")  # cut short
+    calls = building(monkeypatch)
+    with pytest.raises(OSError):
+        llama_cpp.build("0.3.36", tmp_path, [], "native")
+    assert calls[0][0][:2] == ["cmake", "-S"] and "llama-server (native) does not run" in caplog.text
+
+
+def building(monkeypatch) -> list:
+    """subprocess.run recorded and failing, but for a binary's --version: the commands a build would run."""
+    real, calls = subprocess.run, []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: real(*a, **k) if a[0][-1] == "--version"
+                        else calls.append(a) or (_ for _ in ()).throw(OSError("no")))
+    return calls
 
 
 def test_the_server_runs_continuous_batching_without_a_prompt_cache(tmp_path):

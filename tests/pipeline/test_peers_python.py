@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
+from engine.model.integrity import write_manifest
 from pipeline.config import ROOT
 from pipeline.tools.peers import inprocess, openvino, venvs, vllm
 
@@ -27,14 +28,35 @@ def bare_venv(tmp_path_factory) -> Path:
     return venv
 
 
+def installed(venv: Path, name: str, code: str) -> Path:
+    """A package `name` as pip leaves it in the venv: its module and a dist-info whose RECORD gives its size."""
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / f"{name}.py").write_text(code)
+    info = site / f"{name}-1.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1\n")
+    (info / "RECORD").write_text(f"{name}.py,sha256=x,{len(code)}\n{name}-1.dist-info/METADATA,,\n")
+    return site / f"{name}.py"
+
+
 def test_a_venv_of_its_own_is_accepted_and_reused_once_installed(bare_venv, monkeypatch):
     assert venvs.isolated(bare_venv) == bare_venv / "bin" / "python"
     peers = bare_venv.parent.parent
+    installed(bare_venv, "a", "x = 1\n")
     (bare_venv / "INSTALLED").write_text('{"packages": ["a==1"], "remove": ["b"]}\n')
     real = subprocess.run
     monkeypatch.setattr(subprocess, "run", lambda cmd, **k: (_ for _ in ()).throw(AssertionError(cmd))
                         if "pip" in cmd else real(cmd, **k))
     assert venvs.ensure(bare_venv.parent.name, ["a==1"], ["b"], peers) == bare_venv / "bin" / "python"
+
+
+def test_a_damaged_venv_is_named_and_installed_again(bare_venv):
+    module = installed(bare_venv, "c", "y = 2\n")
+    assert venvs.damage(bare_venv, ["c==1"]) is None
+    module.write_text("y")  # cut short
+    assert "of 1 bytes, 6 as c installed it (truncated or damaged)" in venvs.damage(bare_venv, ["c>=1"])
+    assert venvs.damage(bare_venv, ["gone==1"]) == "lacks gone"
+    assert "does not run" in venvs.damage(bare_venv.parent / "nowhere", ["c"])
 
 
 def test_install_creates_the_venv_then_installs_then_removes(tmp_path):
@@ -131,6 +153,8 @@ def test_an_export_is_made_once_and_a_failed_one_is_refused_with_its_error(tmp_p
     out = tmp_path / "openvino/models/int4"
     out.mkdir(parents=True)
     (out / "EXPORTED_FROM").write_text(json.dumps(openvino.export_command(py, model, "int4", out, 32)) + "\n")
+    (out / "openvino_model.bin").write_bytes(b"weights")
+    write_manifest(out)
     calls = []
 
     def fails(cmd, stdout, **kw):
@@ -139,6 +163,10 @@ def test_an_export_is_made_once_and_a_failed_one_is_refused_with_its_error(tmp_p
         return SimpleNamespace(returncode=1)
     monkeypatch.setattr(subprocess, "run", fails)
     assert openvino.export(py, model, "int4", 32, {}, tmp_path) == out and not calls
+    (out / "openvino_model.bin").write_bytes(b"weig")  # cut short: exported again
+    with pytest.raises(venvs.Refused, match="InvalidGroupSizeError"):
+        openvino.export(py, model, "int4", 32, {}, tmp_path)
+    assert len(calls) == 1
     with pytest.raises(venvs.Refused, match="InvalidGroupSizeError: group size 128"):
         openvino.export(py, model, "int4", 128, {}, tmp_path)
     assert calls and not (out / "EXPORTED_FROM").exists()

@@ -2,27 +2,13 @@
 second repro, the machine as a dependency of every measured stage, and a DVC experiment whose metrics diff shows
 the changed figures."""
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-FAST = "bench.server.break_static.timeout_s=2"  # the break-it case waits this long for nothing
-ONE_GPU = "~computed.dgx-spark"  # one computed GPU report: the stage runs the same code for each
-TABLES = "tables=[main,prefill_stall,all_policies,kv_memory,shared_prefix,preemption]"  # those read below (a table's
-# stages run the same code for each; every table's runs compose in test_config and replay in test_precision_axis)
-SERVER = ("'bench.server.runs=[{name:engine-continuous,server:engine,policy:continuous,max_running:64,levels:[1,64],"
-          "n:4,mixed:true}]'")  # one engine server, mixed lengths too (the break-it case starts the batcher server)
-PRECISION = "bench.precision.sequences=8 bench.precision.tokens=64 bench.precision.greedy_requests=8"  # a short stream
-ONCE = "measure.tries=1"  # beside the other test worker every measurement is disturbed: kept as such, not retried
-SHAPED = ("'bench.shaped.simulated.workloads=[azure-conv,azure-code]' "  # the production-shaped grid, smaller
-          "'bench.shaped.simulated.multiples=[0.05,0.2,1.0]' 'bench.shaped.measured.workloads=[azure-conv]'")
+from pipeline.tools.scratch import SMALL, scratch_copy, sh
+
 REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_speed.json", "equivalence.json",
            "hardware.json", "machine.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
            "plots/prefill_stall.png", "plots/kv_memory.png", "plots/shared_prefix.png"]
@@ -35,31 +21,12 @@ def ran(out: str) -> set[str]:
     return set(re.findall(r"Running stage '([^']+)'", out))
 
 
-def sh(cmd: str, cwd: Path, env: dict) -> str:
-    out = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, f"{cmd}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    return out.stdout
-
-
 @pytest.mark.slow
 def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    repo = tmp_path / "lab"
-    for f in files:
-        if (ROOT / f).is_file() and (not f.startswith(("reports/", "dvc.lock")) or f.startswith("reports/models/")):
-            (repo / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, repo / f)
-    (repo / "data" / "models").mkdir(parents=True)
-    (repo / "data" / "models" / "smollm2-135m").symlink_to(smollm2_tokenizer_dir)  # tiny-chat's tokenizer
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
-           "GIT_COMMITTER_EMAIL": "lab@localhost", "DVC_NO_ANALYTICS": "1"}
-    # params.yaml composed with these overrides
-    given = f"model=tiny-chat {FAST} {ONCE} '{ONE_GPU}' '{TABLES}' {SERVER} {PRECISION} {SHAPED}"
-    sh(f"git init -q && python -m pipeline.tools.write_params {given} && git add -A && git commit -qm start", repo, env)
+    overrides = ["model=tiny-chat", *SMALL]
+    repo = scratch_copy(tmp_path, overrides, {"smollm2-135m": smollm2_tokenizer_dir})  # tiny-chat's tokenizer
     t = time.perf_counter()
-    sh("dvc repro", repo, env)
+    sh("dvc repro", repo)
     first = time.perf_counter() - t
     for name in REPORTS:
         assert (repo / "reports" / name).exists(), name
@@ -86,16 +53,16 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     machine = json.loads((repo / "reports" / "machine.json").read_text())
     assert machine["label"] in (repo / "reports" / "REPORT.md").read_text()
     assert machine["label"] in (repo / "reports" / "HARDWARE.md").read_text()
-    assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # a second repro on the same machine: a no-op
+    assert ran(sh("dvc repro", repo)) == {"fingerprint"}  # a second repro on the same machine: a no-op
     (repo / "reports" / "machine.json").write_text(json.dumps({**machine, "id": "0", "cpu": "another CPU"}))
-    status = sh("dvc status", repo, env)  # another machine's fingerprint: every measured stage is out of date
+    status = sh("dvc status", repo)  # another machine's fingerprint: every measured stage is out of date
     assert all(f"{stage}:" in status for stage in MEASURED), status
-    assert ran(sh("dvc repro", repo, env)) == {"fingerprint"}  # this machine again: nothing else reruns
-    sh("git add -A && git commit -qm results", repo, env)
-    again = " ".join(f"-S {o}" for o in given.split())  # dvc exp run composes params.yaml anew: every override again
-    exp = ran(sh(f"dvc exp run {again} -S bench.engine_speed.repeats=1", repo, env))
+    assert ran(sh("dvc repro", repo)) == {"fingerprint"}  # this machine again: nothing else reruns
+    sh("git add -A && git commit -qm results", repo)
+    again = " ".join(f"-S '{o}'" for o in overrides)  # dvc exp run composes params.yaml anew: every override again
+    exp = ran(sh(f"dvc exp run {again} -S bench.engine_speed.repeats=1", repo))
     assert "engine_speed" in exp and not any(s.startswith("bench_") for s in exp), exp  # only what reads the param
-    diff = sh("dvc metrics diff", repo, env)
+    diff = sh("dvc metrics diff", repo)
     assert "engine_speed.fp32.b1_" in diff, diff
     assert "server.engine-continuous.c64.throughput_tps" in metrics
     print(f"dvc repro on the tiny model: {first:.0f} s")  # a figure for the notes, not a timed assertion

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import httpx
 
+from engine.children import dies_with_parent, running
 from engine.hardware import cpu_units
 from engine.model.loader import gguf_path
 from pipeline.measuring.disturbance import server_pids
-from pipeline.measuring.servers import dies_with_parent, free_port, measure, running, stop, wait_ready
+from pipeline.measuring.servers import free_port, measure, stop, wait_ready
 from pipeline.tools.peers.report import shown
-from pipeline.tools.peers.venvs import PEERS, Refused, reason
+from pipeline.tools.peers.venvs import PEERS, Refused, logger, reason
 
 NAME = "llama.cpp"
 
@@ -82,7 +83,10 @@ def build(version: str, peers: Path = PEERS, flags: list[str] | None = None,
     wanted = json.dumps({"version": version, "flags": flags})
     if binary.exists() and marker.exists() and marker.read_text().strip() == wanted \
             and (peers / "llama.cpp" / "SOURCE").read_text().strip() == version:
-        return binary, flags
+        why = runs(binary)
+        if why is None:
+            return binary, flags
+        logger.warning("llama-server (%s) %s: building it again", level, why)
     src = source(version, peers)
     shutil.rmtree(out, ignore_errors=True)
     print(f"building llama-server ({level}) from llama-cpp-python {version} (minutes)", flush=True)
@@ -95,6 +99,15 @@ def build(version: str, peers: Path = PEERS, flags: list[str] | None = None,
                 raise Refused(f"`{' '.join(cmd[:2])}` failed: {reason(log.read_text())}")
     marker.write_text(wanted + "\n")
     return binary, flags
+
+
+def runs(binary: Path) -> str | None:
+    """Why the built binary does not run (`llama-server --version` fails: cut short, damaged), or None."""
+    try:
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"does not run ({exc})"
+    return None if out.returncode == 0 else f"does not run (exit {out.returncode}: {reason(out.stderr + out.stdout)})"
 
 
 def command(binary: Path, gguf: Path, p, threads: int, port: int) -> list[str]:

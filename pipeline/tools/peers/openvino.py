@@ -9,11 +9,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from engine.children import running
+from engine.model.integrity import folder_damage, write_manifest
 from pipeline.measuring.accuracy import greedy
 from pipeline.measuring.disturbance import measured
-from pipeline.measuring.servers import running
 from pipeline.tools.peers.inprocess import agreement, summary
-from pipeline.tools.peers.venvs import PEERS, Refused, ensure, reason, run_env, version
+from pipeline.tools.peers.venvs import PEERS, Refused, ensure, logger, reason, run_env, version
 from pipeline.tools.peers.vllm import model_dir
 
 NAME = "OpenVINO GenAI"
@@ -35,7 +36,10 @@ def export(py: Path, model: Path, weights: str, group_size: int, env: dict, peer
     cmd = export_command(py, model, weights, out, group_size)
     marker, wanted = out / "EXPORTED_FROM", json.dumps(cmd)
     if marker.exists() and marker.read_text().strip() == wanted:
-        return out
+        why = folder_damage(out)
+        if why is None:
+            return out
+        logger.warning("%s's %s export %s: exporting it again", NAME, weights, why)
     shutil.rmtree(out, ignore_errors=True)  # no earlier export's files under a new marker
     log = peers / "openvino" / f"export-{weights}.log"
     print(f"{NAME}: exporting {model.name} at {weights} (minutes)", flush=True)
@@ -44,6 +48,7 @@ def export(py: Path, model: Path, weights: str, group_size: int, env: dict, peer
     if failed:
         raise Refused(f"optimum-cli export at {weights} failed: {reason(log.read_text())}")
     marker.write_text(wanted + "\n")
+    write_manifest(out)  # each file's size and sha256, checked before the next use
     return out
 
 

@@ -2,16 +2,34 @@
 packages installed once from the package index (the INSTALLED marker names them), never the lab's .venv; run
 offline. A peer that cannot run here is a Refused with the reason its own error gave."""
 import json
+import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from pipeline.config import ROOT
 
+logger = logging.getLogger("pipeline.peers")
 PEERS = ROOT / "data" / "peers"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PIP_NO_INDEX": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}  # nothing fetched at run time
+
+
+CHECK = """import importlib.metadata as m, sys
+for name in sys.argv[1:]:
+    try:
+        d = m.distribution(name)
+    except m.PackageNotFoundError:
+        sys.exit(f"lacks {name}")
+    for f in d.files or ():
+        p = d.locate_file(f)
+        if f.size is not None and (not p.exists() or p.stat().st_size != f.size):
+            size = p.stat().st_size if p.exists() else "no"
+            sys.exit(f"has {p} of {size} bytes, {f.size} as {name} installed it (truncated or damaged)")
+"""  # run by a venv's python: each wanted package's files against its RECORD's sizes
 
 
 class Refused(RuntimeError):
@@ -58,17 +76,33 @@ def ensure(name: str, packages: list[str], remove: list[str], peers: Path = PEER
     venv = peers / name / "venv"
     marker, wanted = venv / "INSTALLED", json.dumps({"packages": packages, "remove": remove})
     if marker.exists() and marker.read_text().strip() == wanted:
-        return isolated(venv)
-    log = peers / name / "install.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
+        why = damage(venv, packages)
+        if why is None:
+            return isolated(venv)
+        logger.warning("%s's venv %s: installing it again", name, why)
+        shutil.rmtree(venv, ignore_errors=True)
+    installed = peers / name / "install.log"
+    installed.parent.mkdir(parents=True, exist_ok=True)
     print(f"{name}: installing {' '.join(packages)} into {venv.relative_to(ROOT)} (minutes)", flush=True)
-    with log.open("w") as out:
+    with installed.open("w") as out:
         for cmd in install_commands(venv, packages, remove):
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=clean_env(), check=False).returncode:
-                raise Refused(f"`{' '.join(cmd[1:4])} ...` failed: {reason(log.read_text())}")
+                raise Refused(f"`{' '.join(cmd[1:4])} ...` failed: {reason(installed.read_text())}")
     py = isolated(venv)
     marker.write_text(wanted + "\n")
     return py
+
+
+def damage(venv: Path, packages: list[str]) -> str | None:
+    """Why the venv is not as it was installed (its python does not run; a file of a wanted package missing or of
+    another size than its RECORD says), or None."""
+    dists = [re.split(r"[<>=!~\[;@ ]", spec, maxsplit=1)[0] for spec in packages]
+    try:
+        out = subprocess.run([str(python_of(venv)), "-I", "-c", CHECK, *dists], capture_output=True, text=True,
+                             timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"has a python that does not run ({exc})"
+    return None if out.returncode == 0 else reason(out.stderr)
 
 
 def version(py: Path, dist: str) -> str:

@@ -7,8 +7,9 @@ import re
 import subprocess
 from pathlib import Path
 
+from engine.children import running
 from pipeline.config import ROOT
-from pipeline.measuring.servers import free_port, measure, running, stop, wait_ready
+from pipeline.measuring.servers import free_port, measure, stop, wait_ready
 from pipeline.tools.peers.report import shown
 from pipeline.tools.peers.venvs import PEERS, Refused, ensure, reason, run_env, version
 
