@@ -38,7 +38,6 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     assert metrics["server.hf-static_(no_deadline).c4.throughput_tps"] == 0  # break-it: no batch fills, none ends
     # continuous never pads a row; static pads each batch to its longest request (lognormal lengths): counted, not timed
     assert metrics["all_policies.continuous.slot_efficiency"] == 1.0 > metrics["all_policies.static.slot_efficiency"]
-    assert metrics["all_policies.continuous.ttft_p99_s"] < metrics["all_policies.static.ttft_p99_s"]
     sizes = {k.split(".")[2] for k in metrics if k.startswith("shared_prefix.S512.N")}
     assert len(sizes) == 2, sizes
     for n in (int(size[1:]) for size in sizes):  # prefix caching: hits as computed from the prompts; none without
