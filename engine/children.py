@@ -1,9 +1,11 @@
 """Every child process the lab starts dies with its parent: a stage or tool killed with SIGKILL (the OOM killer, a
-pre-empted batch job) leaves no server, compiler or busy loop running behind it."""
+pre-empted batch job) leaves no server, compiler or busy loop running behind it; and what such a process left
+behind (a file or folder with its process id in the name) is known by that id (gone)."""
 import ctypes
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a process gets when the thread that started it ends
 
@@ -29,3 +31,8 @@ def running(args: list[str], **popen) -> subprocess.Popen:
     """subprocess.Popen(args, **popen) for every child process the lab starts: it dies with its parent
     (dies_with_parent)."""
     return subprocess.Popen(args, preexec_fn=dies_with_parent(), **popen)
+
+
+def gone(pid: str) -> bool:
+    """Whether `pid` (digits from a file name) names no live process: what it left behind is garbage."""
+    return pid.isdigit() and not Path(f"/proc/{pid}").exists()

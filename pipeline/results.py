@@ -12,6 +12,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from engine.children import gone
 from pipeline.measuring.disturbance import ImpossibleFigure
 
 RATES = ("_tps", "_gbs", "ratio", "_fraction", "_share", "gflops")  # endings of fields that must be finite and >= 0
@@ -89,8 +90,7 @@ def _atomic(path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for old in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = old.name[len(path.name) + 2:].split(".")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if gone(old.name[len(path.name) + 2:].split(".")[0]):
             old.unlink(missing_ok=True)
     free = shutil.disk_usage(path.parent).free
     if free < len(data):

@@ -24,6 +24,12 @@ TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: c
 FILES_BESIDE = 256  # open files the process needs beside its connections (model, libraries, logs)
 
 
+def cancelled(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel a timer if there is one; None, to store in its place."""
+    if timer is not None:
+        timer.cancel()
+
+
 class BoundedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the read timeout and the unread-bytes cap (conf/server: read_timeout_s,
     send_timeout_s, max_unread_bytes); everything else is uvicorn's."""
@@ -46,9 +52,7 @@ class BoundedProtocol(HttpToolsProtocol):
             self.read_timer = self.loop.call_later(self.read_timeout_s, self.read_timed_out)
 
     def disarm(self) -> None:
-        if self.read_timer is not None:
-            self.read_timer.cancel()
-            self.read_timer = None
+        self.read_timer = cancelled(self.read_timer)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -77,9 +81,7 @@ class BoundedProtocol(HttpToolsProtocol):
             self.send_timer = self.loop.call_later(self.send_timeout_s, self.send_timed_out)
 
     def resume_writing(self) -> None:
-        if self.send_timer is not None:
-            self.send_timer.cancel()
-            self.send_timer = None
+        self.send_timer = cancelled(self.send_timer)
         super().resume_writing()
 
     def send_timed_out(self) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine import hardware
-from engine.children import dies_with_parent, running
+from engine.children import dies_with_parent, gone, running
 from engine.hardware import sha256
 from engine.kernels import BUILD_VAR
 
@@ -118,7 +118,7 @@ def clear_stopped_builds(folder: Path) -> None:
     """Remove the folders of builds whose process is gone (killed mid-build: its compilers died with it)."""
     for old in folder.glob(f"{BUILDING}*"):
         pid = old.name.removeprefix(BUILDING).split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if gone(pid):
             log.warning("removing %s, left by a build that was stopped", old)
             shutil.rmtree(old, ignore_errors=True)
 

@@ -5,15 +5,14 @@ seconds a sample of the server process (resident memory, threads, open files) an
 flight, outcomes, TTFT); and the verdict: nothing lost or hung, no 5xx, memory within 5 % of its value after the
 warm-up, and the server's request counters equal to the clients'."""
 import asyncio
-import json
 import time
 from collections import Counter
 
-import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.usage import held
-from pipeline.measuring.loadgen import endpoint, session
+from pipeline.measuring.loadgen import endpoint, one, session
 from pipeline.measuring.metrics import pct
 from pipeline.workloads.prompts import CHAT
 
@@ -26,48 +25,12 @@ GROWTH = 1.05                    # the most resident memory may grow over its va
 FINISHED = "vllm:request_success_total"
 
 
-async def one(client, url: str, body: dict, cancel_s: float | None, timeout_s: float, t0: float) -> dict:
-    """One streaming request, cancelled (its connection closed) cancel_s after it was sent if it is still going.
-    outcome: ok, cancelled, HTTP <status>, error event, lost (the stream broke or ended without [DONE]) or hung."""
-    rec = {"sent_s": time.perf_counter() - t0, "status": None, "tokens": 0, "first_s": None, "outcome": "ok"}
-    limit = min(cancel_s or timeout_s, timeout_s)
-    try:
-        async with asyncio.timeout(limit):
-            async with client.post(url, json=body) as r:
-                rec["status"] = r.status
-                if r.status != 200:
-                    rec["outcome"] = f"HTTP {r.status}"
-                    return rec
-                done = False
-                async for raw in r.content:
-                    if raw.startswith(b"data: [DONE]"):
-                        done = True
-                    elif raw.startswith(b"data: {"):
-                        msg = json.loads(raw[6:])
-                        if "error" in msg:
-                            rec["outcome"] = "error event"
-                        elif msg.get("choices") and msg["choices"][0]["delta"].get("content"):
-                            rec["tokens"] += 1
-                            rec["first_s"] = rec["first_s"] or time.perf_counter() - t0
-                if not done and rec["outcome"] == "ok":
-                    rec["outcome"] = "lost"
-    except TimeoutError:
-        rec["outcome"] = "cancelled" if limit < timeout_s else "hung"
-    except aiohttp.ClientError:
-        rec["outcome"] = "lost"
-    return rec
-
-
 async def finished(client, root: str) -> Counter:
     """The server's finished requests by reason (its vllm:request_success_total)."""
     async with client.get(f"{root}/metrics") as r:
         text = await r.text()
-    out: Counter = Counter()
-    for line in text.splitlines():
-        if line.startswith(FINISHED + "{"):
-            reason = line.split('finished_reason="')[1].split('"')[0]
-            out[reason] += float(line.rsplit(" ", 1)[1])
-    return out
+    return Counter({smp.labels["finished_reason"]: smp.value for fam in text_string_to_metric_families(text)
+                    for smp in fam.samples if smp.name == FINISHED})
 
 
 async def churn(base_url: str, model: str, pid: int, concurrency: int, duration_s: float, warmup_s: float,
@@ -94,7 +57,7 @@ async def churn(base_url: str, model: str, pid: int, concurrency: int, duration_
                         "max_tokens": int(rng.choice(LENGTHS)), "stream": True}
                 cancel = float(rng.uniform(0, CANCEL_S)) if rng.random() < cancel_share else None
                 in_flight += 1
-                recs.append(await one(client, url, body, cancel, timeout_s, t0))
+                recs.append(await one(client, url, body, t0, timeout_s, cancel))
                 in_flight -= 1
 
         async def sampler() -> list[dict]:
@@ -102,7 +65,7 @@ async def churn(base_url: str, model: str, pid: int, concurrency: int, duration_
             while (now := time.perf_counter() - t0) < duration_s + timeout_s and (now < duration_s or in_flight):
                 await asyncio.sleep(every_s)
                 window, seen = recs[seen:], len(recs)
-                ttft = [r["first_s"] - r["sent_s"] for r in window if r["first_s"] is not None]
+                ttft = [r["token_times"][0] - r["arrival"] for r in window if r["token_times"]]
                 outcomes = Counter(r["outcome"] for r in window)
                 rows.append({"t_s": round(time.perf_counter() - t0, 1), **held(pid), "in_flight": in_flight,
                              **{k: outcomes[k] for k in ("ok", "cancelled", "lost", "hung", "error event")},

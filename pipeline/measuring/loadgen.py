@@ -31,14 +31,19 @@ def session(api_key: str | None, limit: int = 0) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=None))
 
 
-async def one(client: aiohttp.ClientSession, url: str, body: dict, t0: float, timeout_s: float) -> dict:
-    """Send one streaming request; token times are the arrival times of content chunks (s since t0).
-    outcome: "ok", "HTTP <status>", "error event", "hung" (past timeout_s) or "lost" (the connection failed or the
-    stream ended without [DONE])."""
-    rec = {"arrival": time.perf_counter() - t0, "token_times": [], "num_tokens": 0, "error": None, "outcome": "ok"}
+async def one(client: aiohttp.ClientSession, url: str, body: dict, t0: float, timeout_s: float,
+              cancel_s: float | None = None) -> dict:
+    """Send one streaming request; token times are the arrival times of content chunks (s since t0); status: the
+    HTTP status (None if none came). outcome: "ok", "HTTP <status>", "error event", "hung" (past timeout_s), "lost"
+    (the connection failed or the stream ended without [DONE]) or "cancelled" (its connection closed by this client
+    cancel_s after sending, the request still going)."""
+    rec = {"arrival": time.perf_counter() - t0, "token_times": [], "num_tokens": 0, "error": None, "outcome": "ok",
+           "status": None}
+    limit = min(cancel_s or timeout_s, timeout_s)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(limit):
             async with client.post(url, json=body) as r:
+                rec["status"] = r.status
                 if r.status != 200:
                     rec["error"] = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                     rec["outcome"] = f"HTTP {r.status}"
@@ -63,7 +68,8 @@ async def one(client: aiohttp.ClientSession, url: str, body: dict, t0: float, ti
                 if not done and rec["error"] is None:
                     rec["error"], rec["outcome"] = "the stream ended without [DONE]", "lost"
     except TimeoutError:
-        rec["error"], rec["outcome"] = f"timeout after {timeout_s} s", "hung"
+        rec["error"], rec["outcome"] = ((f"cancelled after {limit:.1f} s", "cancelled") if limit < timeout_s
+                                        else (f"timeout after {timeout_s} s", "hung"))
     except aiohttp.ClientError as exc:
         rec["error"], rec["outcome"] = f"{type(exc).__name__}: {exc}", "lost"
     return rec

@@ -45,6 +45,13 @@ def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
     return wait_ready(running(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
 
 
+def serve(overrides: list[str], name: str) -> tuple[subprocess.Popen, int]:
+    """A lab server (python -m servers with these conf/ overrides) on a free port, once it answers; and the port."""
+    port = free_port()
+    args = [sys.executable, "-m", "servers", *overrides, f"port={port}"]
+    return wait_ready(running(args, cwd=ROOT), port, name), port
+
+
 def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300,
                warm_s: float = 3600) -> subprocess.Popen:
     """proc once its /health on 127.0.0.1:port answers 200; killed and an error if it exits, does not answer within

@@ -27,9 +27,9 @@ import yaml
 from engine.children import dies_with_parent
 from engine.model.integrity import folder_damage
 from pipeline.config import ROOT
-from pipeline.measuring.fingerprint import environment as machine
+from pipeline.measuring.fingerprint import environment
 from pipeline.results import write_json
-from pipeline.tools.scratch import SMALL, environment, scratch_copy, sh
+from pipeline.tools.scratch import SMALL, copy_env, scratch_copy, sh
 
 STAGES = ["prepare_model", "probe_hardware", "bench_engine@main", "bench_server", "report"]
 PNG_END = b"IEND\xaeB`\x82"  # a PNG's last chunk
@@ -118,7 +118,7 @@ def trial(repo: Path, stage: str, whole_job: bool, rng: random.Random, seconds: 
     folder = repo / yaml.safe_load((repo / "params.yaml").read_text())["model"]["path"]
     if stage == "prepare_model":
         shutil.rmtree(folder, ignore_errors=True)
-    job = subprocess.Popen(["dvc", "repro", "-f", "-s", stage], cwd=repo, env=environment(), start_new_session=True,
+    job = subprocess.Popen(["dvc", "repro", "-f", "-s", stage], cwd=repo, env=copy_env(), start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=dies_with_parent())
     pid, started = None, time.monotonic()
     while pid is None and job.poll() is None and time.monotonic() - started < 120:
@@ -173,7 +173,7 @@ def full_disk(repo: Path, stage: str, slack_kib: int = 16) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         files = {k: Path(tmp) / k for k in ("before", "after", "log")}
         got = subprocess.run(["unshare", "-rm", "sh", "-c", FULL.format(slack=slack_kib, stage=stage, **files)],
-                             cwd=repo, env=environment(), capture_output=True, text=True, timeout=1800)
+                             cwd=repo, env=copy_env(), capture_output=True, text=True, timeout=1800)
         log = files["log"].read_text() if files["log"].exists() else got.stderr
         said = next((line.strip() for line in log.splitlines() if "no room to write" in line), None)
         same = got.returncode == 0 and files["before"].read_text() == files["after"].read_text()
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
             for stage in a.full_disk:
                 disk.append(full_disk(repo, stage))
                 print(json.dumps(disk[-1]), flush=True)
-    out = {"machine": machine(), "overrides": [*SMALL, *a.overrides], "trials": trials, "full_disk": disk,
+    out = {"machine": environment(), "overrides": [*SMALL, *a.overrides], "trials": trials, "full_disk": disk,
            "hits": sum(t["hit"] for t in trials), "passed": all(t["passed"] for t in trials + disk)}
     write_json(a.out, out)
     return out

@@ -17,13 +17,12 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
-from engine.children import running
 from pipeline.config import ROOT, compose_config
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.hostile import crowd
 from pipeline.measuring.loadgen import closed_loop
 from pipeline.measuring.metrics import summarize
-from pipeline.measuring.servers import free_port, requests_for, stop, wait_ready
+from pipeline.measuring.servers import requests_for, serve, stop
 from pipeline.results import write_json
 
 FIGURES = ("itl_p99_s", "itl_p50_s", "ttft_p50_s", "throughput_tps")
@@ -74,10 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=str(ROOT / "reports" / "hostile.json"))
     a = p.parse_args(argv)
     cfg = compose_config(a.overrides)
-    port = free_port()
+    server, port = serve(a.overrides, "hostile")
     url = f"http://127.0.0.1:{port}/v1"
-    server = wait_ready(running([sys.executable, "-m", "servers", *a.overrides, f"port={port}"], cwd=ROOT), port,
-                        "hostile")
     reqs = requests_for(a.requests, a.max_tokens, int(cfg.seed))
     runs, seen = {arm: [] for arm in ARMS}, []
     try:

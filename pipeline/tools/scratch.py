@@ -23,7 +23,7 @@ SMALL = [
 ]
 
 
-def environment() -> dict:
+def copy_env() -> dict:
     """The environment the copy's commands run in: this interpreter's folder first on PATH, git's identity set."""
     return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1",
             "GIT_AUTHOR_NAME": "lab", "GIT_AUTHOR_EMAIL": "lab@localhost", "GIT_COMMITTER_NAME": "lab",
@@ -32,7 +32,7 @@ def environment() -> dict:
 
 def sh(cmd: str, cwd: Path, timeout_s: float = 1800) -> str:
     """Run a shell command in the copy; its output, or an error with the end of it."""
-    out = subprocess.run(cmd, shell=True, cwd=cwd, env=environment(), capture_output=True, text=True,
+    out = subprocess.run(cmd, shell=True, cwd=cwd, env=copy_env(), capture_output=True, text=True,
                          timeout=timeout_s)
     if out.returncode:
         raise RuntimeError(f"{cmd} exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")

@@ -8,11 +8,10 @@ import asyncio
 import json
 import sys
 
-from engine.children import running
 from pipeline.config import ROOT, compose_config
 from pipeline.measuring.churn import churn
 from pipeline.measuring.fingerprint import environment
-from pipeline.measuring.servers import free_port, stop, wait_ready
+from pipeline.measuring.servers import serve, stop
 from pipeline.results import write_json
 
 
@@ -28,9 +27,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     overrides = [f"policy.max_running={a.concurrency}", *a.overrides]
     cfg = compose_config(overrides)  # fails here, with the options listed, on a bad override
-    port = free_port()
-    server = wait_ready(running([sys.executable, "-m", "servers", *overrides, f"port={port}"], cwd=ROOT), port,
-                        "soak")
+    server, port = serve(overrides, "soak")
     try:
         result = asyncio.run(churn(f"http://127.0.0.1:{port}/v1", cfg.model.name, server.pid, a.concurrency,
                                    a.minutes * 60, a.warmup * 60, a.cancel, a.every, seed=int(cfg.seed)))
