@@ -20,8 +20,15 @@ from pipeline.config import model_spec
 from tests.serving import BACKENDS, Server
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, len(os.sched_getaffinity(0)) // WORKERS)  # torch threads: each worker its share of the cores (two
+# threads beside another worker stall at every parallel region's barrier, engine/threads.py)
 TINY = ("tiny-llama", "tiny-qwen2")
 LONGEST = "tests/pipeline/test_pipeline.py::test_dvc_repro_on_a_tiny_model"
+
+
+def pytest_configure(config):
+    torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -64,7 +71,7 @@ def model_cfg(name: str, **changes) -> ModelSpec:
 @pytest.fixture(scope="session", params=TINY)
 def tiny(request):
     """(name, model) for each tiny architecture."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     model, _ = load_source(model_cfg(request.param))
     return request.param, model
 
@@ -81,7 +88,7 @@ def smollm2():
 
     cfg = model_cfg("smollm2-135m", path=str(ROOT / model_cfg("smollm2-135m").path))
     prepared(cfg)
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     return load_source(cfg)
 
 

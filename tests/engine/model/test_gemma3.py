@@ -40,7 +40,6 @@ def tiny(**fields):
 
 @pytest.fixture(scope="module")
 def gemma():
-    torch.set_num_threads(2)
     model = tiny()
     prompts = scenario_prompts(model, None)
     return model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
@@ -133,7 +132,6 @@ def real():
     for every test (each holds its own copy of the weights)."""
     cfg = replace(REAL, path=str(ROOT / REAL.path))
     prepared(cfg)
-    torch.set_num_threads(2)
     model, tok = load_source(cfg)
     return cfg, model, tok, build_net(model)
 

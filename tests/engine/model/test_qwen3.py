@@ -2,7 +2,6 @@
 they count, gives Hugging Face generate's tokens under every policy on the slot cache (native kernels and ATen's
 operators) and under continuous and chunked batching on the paged one; its logits equal Hugging Face's."""
 import pytest
-import torch
 
 from engine.factory import build_net, load_source
 from engine.model.hf import generate_alone
@@ -19,7 +18,6 @@ PAGED = [PolicySpec.of("continuous", 4), PolicySpec.of("chunked", 4, token_budge
 
 @pytest.fixture(scope="module")
 def qwen3():
-    torch.set_num_threads(2)
     model = random_norms(load_source(model_spec("tiny-qwen3"))[0])
     prompts = scenario_prompts(model, None)
     return model, prompts, [generate_alone(model, p, n) for p, n in zip(prompts, LENS)]
