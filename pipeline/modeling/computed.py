@@ -50,18 +50,20 @@ SHAPE_REQUESTS = 96                  # requests a production-shaped run (capacit
 def base_config(item, seed: int = 0) -> tuple:
     """(the composed config of a `computed` entry at GPU scale, its roofline over the entry's `tp` devices (default:
     the fewest that hold the weights and some K/V), the K/V tokens their memory holds)."""
+    scale = REQUESTS_SCALE * float(item.get("requests_scale", 1))  # an entry's requests_scale: fewer for a quick look
     cfg = compose_config([f"hardware={item['hardware']}", f"model={item['model']}", f"precision={item['precision']}",
-                          "profile=gpu", f"profile.requests_scale={REQUESTS_SCALE}", "slo=chat",
+                          "profile=gpu", f"profile.requests_scale={scale}", "slo=chat",
                           f"max_request_tokens={CONTEXT}", f"seed={seed}"])
     roof = spec_roofline(cfg, int(item.get("tp") or fewest_devices(cfg)))
     return cfg, roof, kv_tokens(roof, float(cfg.hardware.memory_gb))
 
 
-def at_scale(cfg, budget: float, chunk: bool = True, seats: int = SEATS):
+def at_scale(cfg, base, budget: float, chunk: bool = True, seats: int = SEATS):
     """A run's config at `seats` rows and loads in units of SEATS rows decoding (chunked prefill at TOKEN_BUDGET unless
-    `chunk` is False: the run sets its own); iteration-level policies on a paged pool as large as the memory holds."""
+    `chunk` is False: the run sets its own), the base's requests; iteration-level policies on a paged pool as large as
+    the memory holds."""
     cfg.policy.max_running = seats
-    cfg.profile.requests_scale = REQUESTS_SCALE
+    cfg.profile.requests_scale = base.profile.requests_scale
     if "max_batch" in cfg.policy:
         cfg.policy.max_batch = seats
     if cfg.policy.name == "chunked" and chunk:
@@ -130,7 +132,7 @@ def tables(base, roof: Roofline, budget: float, step_s: float) -> dict:
     meta, jobs = [], []
     for table in ("all_policies", "dynamic_timeouts", "prefill_stall"):
         for name, cfg in runs(base, table):
-            cfg = at_scale(cfg, budget, chunk="token_budget" not in name)
+            cfg = at_scale(cfg, base, budget, chunk="token_budget" not in name)
             meta.append({"table": table, "run": name, "policy": cfg.policy.name,
                          "load_multiple": float(cfg.load.multiple),
                          **{k: cfg.policy[k] for k in ("max_wait_ms", "token_budget") if k in cfg.policy}})
@@ -145,7 +147,7 @@ def load_sweep(base, roof: Roofline, budget: float, step_s: float) -> list[dict]
     """Seed 003's load sweep: each headline policy on the all-policies workload at loads 0.2 to 2.0 x capacity."""
     meta, jobs = [], []
     for policy in SHAPE_POLICIES:
-        cfg = at_scale(table_config(base, "all_policies", {"policy": policy}), budget)
+        cfg = at_scale(table_config(base, "all_policies", {"policy": policy}), base, budget)
         for m in LOADS:
             cfg.load.multiple = m
             meta.append({"policy": policy, "load_multiple": m})
@@ -178,12 +180,11 @@ def production(base, roof: Roofline, budget: float, step_s: float) -> dict:
     for shape in SHAPES:
         for policy in SHAPE_POLICIES:
             cfg = at_scale(compose_config([f"model={base.model.name}", f"precision={base.precision.name}",
-                                           "profile=gpu", f"profile.requests_scale={REQUESTS_SCALE}", "slo=chat",
-                                           f"workload={shape}", "workload.scale=1",
+                                           "profile=gpu", "slo=chat", f"workload={shape}", "workload.scale=1",
                                            f"workload.num_requests={SHAPE_REQUESTS / REQUESTS_SCALE:g}",
                                            "load=bursty", "load.burstiness=0.25", f"policy={policy}",
-                                           f"max_request_tokens={CONTEXT}", f"seed={base.seed}"]), budget,
-                           seats=DEPLOYED[policy])
+                                           f"max_request_tokens={CONTEXT}", f"seed={base.seed}"]), base,
+                           budget, seats=DEPLOYED[policy])
             for m in MULTIPLES:
                 cfg.load.multiple = m
                 wl = build(cfg, None, VOCAB)

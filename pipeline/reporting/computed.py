@@ -114,7 +114,9 @@ def report(c: dict, validation: dict | None, plots) -> str:
     parts = [f"# Computed: {name}", NOTE, inputs(c, validation),
              f"Seed 003's tables at {c['seats']} seats for every policy; loads in units of {c['seats']} rows decoding "
              f"(a full-batch step of {c['full_batch_step_s'] * 1e3:.2f} ms); paged K/V for iteration-level policies "
-             f"({c['kv_tokens']:,.0f} tokens fit); a request up to {c['context_tokens']} tokens; profile `gpu`.",
+             f"({c['kv_tokens']:,.0f} tokens fit); a request up to {c['context_tokens']} tokens; profile `gpu`"
+             + (f", every run's requests x {c['item']['requests_scale']:g} (the entry's `requests_scale`)."
+                if float(c["item"].get("requests_scale", 1)) != 1 else "."),
              "## Step time against batch size (seed 000, computed)", step_section(c["step_table"]),
              "![step time](plots/step_time.png)",
              "## Seats: requests that fit (seed 000, computed)", seats_section(c["seats_table"]),

@@ -1,11 +1,10 @@
 """A table's runs: its experiment file's `points` (override sets) crossed with its `sweep` axes, each composed. A
 point may set `precision`: a level this model or device cannot run is left out, said (the table's other points run)."""
-import copy
 import itertools
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeline.config import check, compose_config
+from pipeline.config import compose_config
 
 
 def point_overrides(table) -> list[dict]:
@@ -47,8 +46,7 @@ def runs(base: DictConfig, table: str) -> list[tuple[str, DictConfig]]:
     that leaves none, the table's points run at the configured level instead."""
     if table == "main":
         return [("main", base)]
-    composed = {"default": table_config(base, table)}  # the points' group choices (policy=...) -> their composition
-    points = point_overrides(composed["default"].table)
+    points = point_overrides(table_config(base, table).table)
     levels = {str(o["precision"]) for o in points if "precision" in o}
     missing = {name: level_not_here(base, name) for name in sorted(levels)}  # level -> why it cannot run here
     out = []
@@ -61,19 +59,5 @@ def runs(base: DictConfig, table: str) -> list[tuple[str, DictConfig]]:
     if not out:  # no level of the table runs here: its points at the configured level, each once
         kept = {label(p): p for p in ({k: v for k, v in o.items() if k != "precision"} for o in points)}
         out = list(kept.items())
-    return [(name, point_config(base, table, o, composed)) for name, o in out]
+    return [(name, table_config(base, table, o)) for name, o in out]
 
-
-def point_config(base: DictConfig, table: str, overrides: dict, composed: dict) -> DictConfig:
-    """table_config(base, table, overrides), composed once per set of group choices (`composed` keeps them): the
-    point's dotted keys (policy.token_budget=64) are set in place on a copy, then checked as a composition is."""
-    groups = {k: v for k, v in overrides.items() if "." not in k}
-    key = label(groups)
-    if key not in composed:
-        composed[key] = table_config(base, table, groups)
-    cfg = copy.deepcopy(composed[key])
-    for k, v in overrides.items():
-        if "." in k:
-            OmegaConf.update(cfg, k, v, merge=False)  # a key the config lacks fails (struct), as an override does
-    check(cfg)
-    return cfg
