@@ -19,20 +19,9 @@ from omegaconf import OmegaConf
 from pipeline.config import compose_config
 from pipeline.modeling.batch import chunk_step, decode_step, run_batch
 from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
+from pipeline.tools.args import parse_keys
 
 OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp"}
-
-
-def parse(argv: list[str]) -> tuple[dict, list[str], bool]:
-    """(this tool's keys, Hydra overrides, --json)."""
-    own, rest = {}, []
-    for a in argv:
-        key, _, value = a.partition("=")
-        if key in OWN:
-            own[key] = value
-        elif a != "--json":
-            rest.append(a)
-    return own, rest, "--json" in argv
 
 
 def _int(own: dict, key: str, default: int | None = None) -> int:
@@ -98,7 +87,10 @@ def show(out: dict) -> str:
 
 def main(argv: list[str]) -> None:
     """Print one step's or one batch's computed time; a SystemExit naming what is wrong otherwise."""
-    own, overrides, as_json = parse(argv)
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return
+    own, overrides, as_json = parse_keys(argv, OWN)
     try:
         result = compute(own, overrides)
     except (ValueError, HydraException) as exc:
