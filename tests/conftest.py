@@ -45,10 +45,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def unmeasured_kernels(tmp_path_factory):
-    """Every shape keeps the default kernel choice, unmeasured: timing the candidates on a real model's shapes costs
+    """Every shape keeps a fixed kernel choice, unmeasured: timing the candidates on a real model's shapes costs
     minutes on a fresh machine and decides no test (tests/engine/kernels measure on purpose, SMALL_BYTES = 0). What
-    the tests do measure (GGUF and bf16 blocks' kernels) goes to the session's copy of the machine's choices, shared by
-    its workers: timed beside another worker, it never becomes the choice a benchmark runs."""
+    the tests do measure goes to the session's copy of the machine's choices, shared by its workers: timed beside
+    another worker, it never becomes the choice a benchmark runs."""
     machine, path = choice.cache_path(), choice.cache_path  # a test's own LAB_CACHE_DIR keeps its own file
     session = tmp_path_factory.getbasetemp()
     mine = (session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session) / "kernels.json"
@@ -58,6 +58,10 @@ def unmeasured_kernels(tmp_path_factory):
         os.replace(tmp, mine)
     patch = pytest.MonkeyPatch()
     patch.setattr(choice, "SMALL_BYTES", float("inf"))
+    timed = choice.measure  # a storage's own kernels (GGUF, bf16 blocks) are measured whatever their size: here they
+    # take their row kernel up to 4 rows and their tiles beyond, unmeasured, unless a test measures (SMALL_BYTES = 0)
+    patch.setattr(choice, "measure", lambda mats, device, names: timed(mats, device, names) if choice.SMALL_BYTES == 0
+                  else {"choice": [names[0] if r <= 4 else names[1] for r in choice.BUCKETS], "ms": None})
     patch.setattr(choice, "cache_path", lambda: mine if path() == machine else path())
     yield
     patch.undo()

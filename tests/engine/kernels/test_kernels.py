@@ -106,6 +106,7 @@ def test_a_candidate_is_timed_after_its_own_untimed_run_the_fastest_kept(monkeyp
             clock[0] += 2.0 if k == "other" else 20.0 if after_other or calls.count(k) == 3 else 1.0
 
     monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0] / 1e3)
+    monkeypatch.setattr(kernels, "SMALL_BYTES", 0)  # measured on purpose (tests/conftest.py)
     got = kernels.measure([Mat()], torch.device("cpu"), ("other", "fast"))
     assert got["choice"] == ["fast"] * len(kernels.BUCKETS)
     assert all(ms == pytest.approx({"other": 2.0, "fast": 1.0}) for ms in got["ms"].values())
@@ -225,6 +226,7 @@ def test_a_row_count_uses_the_smallest_bucket_that_holds_it():
 
 
 def test_past_streamed_rows_a_share_of_the_matrices_is_timed_and_scaled_to_all(monkeypatch):
+    monkeypatch.setattr(kernels, "SMALL_BYTES", 0)  # measured on purpose (tests/conftest.py)
     clock, rows_seen = [0.0], []
 
     class Mat:  # each product advances the clock by 1 ms
