@@ -7,10 +7,8 @@ spec sheet's roofline, behind each router (engine/router.py; knobs as `router.<k
 cache_threshold, balance_abs, balance_rel). The load: `multiple` x what the fleet decodes in full-batch steps of 16
 rows a replica (conf/load's ref_seats). One row per router: prefix-cache hit rate, TTFT p50/p99, TPOT p50, throughput,
 goodput at conf/slo/chat and the requests each replica served; --json prints one JSON object instead."""
-import json
 import sys
 
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from engine.router import POLICIES, RouterSpec
@@ -20,7 +18,7 @@ from pipeline.modeling.batch import paged_pool
 from pipeline.modeling.fleet import simulate_fleet
 from pipeline.modeling.machines import kv_tokens, spec_roofline
 from pipeline.modeling.simulation import full_batch_decode
-from pipeline.tools.args import parse_keys
+from pipeline.tools.args import run
 from pipeline.workloads.generate import build
 
 OWN = {"replicas", "multiple", "routers", "requests", "tp"}
@@ -76,15 +74,7 @@ def show(out: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
-        return
-    own, overrides, as_json = parse_keys(argv, OWN, prefixes=("router.",))
-    try:
-        out = compute(own, overrides)
-    except (ValueError, HydraException) as exc:
-        raise SystemExit(f"fleet: {exc}") from None
-    print(json.dumps(out) if as_json else show(out))
+    run("fleet", __doc__, argv, OWN, compute, show, ("router.",))
 
 
 if __name__ == "__main__":

@@ -10,16 +10,14 @@ and `tp=N` splits the model over N devices. The batch's K/V lives in what their 
 90 % of it, vLLM's default): requests that do not fit wait for others to finish. It prints each step's time, bytes,
 FLOPs and the roof that binds; --json prints one JSON object instead (with end_to_end_s and ttft_s for a batch)."""
 import dataclasses
-import json
 import sys
 
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 from pipeline.config import compose_config
 from pipeline.modeling.batch import chunk_step, decode_step, run_batch
 from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
-from pipeline.tools.args import parse_keys
+from pipeline.tools.args import run
 
 OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp"}
 
@@ -87,15 +85,7 @@ def show(out: dict) -> str:
 
 def main(argv: list[str]) -> None:
     """Print one step's or one batch's computed time; a SystemExit naming what is wrong otherwise."""
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
-        return
-    own, overrides, as_json = parse_keys(argv, OWN)
-    try:
-        result = compute(own, overrides)
-    except (ValueError, HydraException) as exc:
-        raise SystemExit(f"steptime: {exc}") from None
-    print(json.dumps(result) if as_json else show(result))
+    run("steptime", __doc__, argv, OWN, compute, show)
 
 
 if __name__ == "__main__":
