@@ -58,9 +58,9 @@ class Router:
         """The replica for this request (prompt: token ids or text), recorded as outstanding there."""
         if rid in self.sent:
             raise ValueError(f"request {rid!r} is already routed")
-        chains = self._chains(prompt)
+        chains = self._chains(prompt) if self.spec.policy == "prefix_aware" else []  # only it reads the index
         to = self._choose(chains, len(prompt), session)
-        if session is not None:
+        if session is not None and self.spec.policy == "session":
             self.sessions.setdefault(session, to)
         self._remember(to, chains)
         cost = len(prompt) + int(max_tokens)
@@ -76,7 +76,7 @@ class Router:
         self.tokens[to] -= cost
 
     def matched(self, replica: int, prompt) -> int:
-        """Leading tokens of the prompt in the replica's index (whole blocks)."""
+        """Leading tokens of the prompt in the replica's index (whole blocks; prefix_aware keeps one)."""
         return self._match(replica, self._chains(prompt)) * self.spec.block_tokens
 
     def _choose(self, chains: list[int], length: int, session: str | None) -> int:
