@@ -176,6 +176,9 @@ def pointer(reports) -> tuple[str, str, dict]:
     st = json.loads(path.read_text())["stats"]
     done = sorted(p.parent.name for p in (reports / "hardware").glob("*/REPORT.md"))
     lines = [f"- [{name}](hardware/{name}/REPORT.md)" for name in done]
+    if (reports / "fleet" / "FLEET.md").exists():
+        lines.append("- [fleets](fleet/FLEET.md): routers, prefill and decode apart, the fewest GPUs for a rate "
+                     "(`python -m pipeline.tools.fleet`, `python -m pipeline.tools.plan`)")
     text = ("Nothing in this section is measured. The seed tables at GPU scale are computed by the same scheduler on a "
             f"virtual clock whose steps cost what a spec sheet's roofline says (conf/hardware/, "
             f"pipeline/modeling/roofline.py); checked against {st['figures']} published GPU runs from {st['sources']} "

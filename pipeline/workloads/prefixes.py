@@ -9,21 +9,29 @@ all prompt tokens.
 import numpy as np
 
 
-def plan_prefixes(rng, lengths, ratio: float, block: int, window: int) -> list[tuple[int, int]]:
+def plan_prefixes(rng, lengths, ratio: float, block: int, window: int,
+                  sessions: np.ndarray | None = None) -> list[tuple[int, int]]:
     """Per request (earlier request it continues or -1, tokens it takes from that one's start). Each request takes
     the whole blocks that bring the running hit ratio back to `ratio`, from a random one of the `window` requests
-    before it that holds them (else the one holding most)."""
-    full, plan, hit, total = [], [], 0, 0
+    before it that holds them (else the one holding most). With `sessions` (a conversation id per request) a request
+    continues only its own conversation: the latest of its last `window` turns that holds the blocks."""
+    full, plan, hit, total, turns = [], [], 0, 0, {}
     for j, length in enumerate(int(x) for x in lengths):
         total += length
         want = min((length - 1) // block, max(0, round((ratio * total - hit) / block)))
         parent, take = -1, 0
-        if want and j:
-            earlier = np.arange(max(0, j - window), j)
-            holds = np.asarray(full[earlier[0]:j])
+        earlier = (np.arange(max(0, j - window), j) if sessions is None
+                   else np.asarray(turns.setdefault(int(sessions[j]), [])[-window:], dtype=int))
+        if want and len(earlier):
+            holds = np.asarray([full[i] for i in earlier])
             enough = earlier[holds >= want]
-            parent = int(rng.choice(enough)) if len(enough) else int(earlier[np.argmax(holds)])
+            if not len(enough):
+                parent = int(earlier[np.argmax(holds)])
+            else:
+                parent = int(rng.choice(enough)) if sessions is None else int(enough[-1])
             take = min(want, full[parent])
+        if sessions is not None:
+            turns[int(sessions[j])].append(j)
         hit += take * block
         full.append(length // block)
         plan.append((parent if take else -1, take * block))

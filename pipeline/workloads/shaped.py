@@ -40,7 +40,7 @@ def block_tokens(w) -> int:
 
 def build_shaped(cfg, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:
     """One row per request: rid, is_long (prompt in the top tenth), prompt (token ids), prompt_tokens,
-    output_tokens, arrival_steps, clipped."""
+    output_tokens, arrival_steps, clipped; and session where the prefixes come in conversations."""
     w, seed = cfg.workload, int(cfg.seed)
     rng = np.random.default_rng(seed)
     raw_in, raw_out = raw_lengths(cfg, rng)
@@ -49,13 +49,17 @@ def build_shaped(cfg, tokenizer=None, vocab_size: int = 512) -> pd.DataFrame:
     n = len(inp)
     arrivals = arrival_steps(rng, n, cfg.load, float(out.mean()))
     prompts = sized_prompts(inp, tokenizer, vocab_size, seed)
+    talks = None  # conversation per request (prefix.sessions of them, drawn uniformly)
     if w.get("prefix"):
         p = w.prefix
+        talks = rng.integers(int(p.sessions), size=n) if p.get("sessions") else None
         prompts = apply_prefixes(prompts, plan_prefixes(rng, inp, float(p.cache_ratio), block_tokens(w),
-                                                        int(p.window)))
+                                                        int(p.window), talks))
     df = pd.DataFrame({"rid": [f"r{i:04d}" for i in range(n)], "is_long": top_tenth(inp),
                        "prompt": prompts, "prompt_tokens": inp, "output_tokens": out, "arrival_steps": arrivals,
                        "clipped": clipped})
+    if talks is not None:
+        df["session"] = [f"s{t:04d}" for t in talks]
     df.attrs = workload_meta(cfg, df)
     return df
 

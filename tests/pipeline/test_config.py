@@ -16,9 +16,12 @@ GROUPS = [d.name for d in CONF.iterdir() if d.is_dir() and d.name != "experiment
 
 @pytest.mark.parametrize("group, option", [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))])
 def test_every_option_composes(group, option):
-    """The option chosen is the option composed: every value its file holds, nothing else, nothing overridden."""
+    """The option chosen is the option composed: every value its file holds (over the options of its group it names
+    first), nothing else, nothing overridden."""
     cfg = compose_config([f"{group}={option}"])
-    want = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{option}.yaml"), resolve=True)
+    own = OmegaConf.load(CONF / group / f"{option}.yaml")
+    bases = [OmegaConf.load(CONF / group / f"{d}.yaml") for d in own.pop("defaults", []) if d != "_self_"]
+    want = OmegaConf.to_container(OmegaConf.merge(*bases, own), resolve=True)
     assert OmegaConf.to_container(cfg[group], resolve=True) == want
 
 

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from engine.core.simulator import CostModel
 from engine.router import POLICIES, RouterSpec
 from pipeline.config import compose_config
-from pipeline.modeling.fleet import simulate_fleet
+from pipeline.modeling.fleet import Split, simulate_fleet
 from pipeline.modeling.simulation import simulate
 from pipeline.tools import fleet
 from pipeline.workloads.generate import build
@@ -59,13 +59,50 @@ def test_more_replicas_serve_the_same_load_sooner():
 
 def test_the_fleet_tool_computes_each_router_and_refuses_what_it_cannot(capsys):
     fleet.main(["hardware=h100-sxm", "model=llama-3.1-8b-shape", "precision=bf16-cuda", "workload=azure-conv",
-                "replicas=2", "requests=30", "routers=round_robin,prefix_aware", "router.cache_threshold=0.5",
+                "replicas=2", "requests=30", "seconds=1", "routers=round_robin,prefix_aware",
+                "router.cache_threshold=0.5",
                 "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["computed"] and [r["router"] for r in out["rows"]] == ["round_robin", "prefix_aware"]
     assert all(sum(r["served"]) == r["complete"] == 30 for r in out["rows"])
     for bad, said in ((["routers=random"], "choose one of"), (["router.nope=1"], "unknown router knob"),
-                      (["hardware=cpu"], "spec sheet")):
+                      (["hardware=cpu"], "spec sheet"), (["split=2x2"], "<P>P<D>D")):
         with pytest.raises(SystemExit) as err:
             fleet.main(["hardware=h100-sxm", "model=llama-3.1-8b-shape", "precision=bf16-cuda", *bad])
         assert said in str(err.value)
+
+
+def split_run(wl, cfg, split, **kw):
+    return simulate_fleet(COST, OmegaConf.to_container(cfg.policy), wl, STEP, int(cfg.max_request_tokens), 1.0, 0.1,
+                          split.prefill + split.decode, RouterSpec("round_robin"), kv=OmegaConf.to_container(cfg.kv),
+                          split=split, **kw)
+
+
+def test_prefill_and_decode_apart_hand_each_prompt_over_once():
+    """Each request's prompt is computed on a prefill replica, its K/V found on the decode replica (only the last
+    partial block and the first token computed there), its tokens all arrive, the hand-over's time between the
+    first and the second."""
+    cfg, wl = run("chunked", **{"kv.block_size": 16})
+    split = Split(1, 2, link_bytes_s=1e6, latency_s=0.05, kv_bytes_per_token=1000)
+    out = split_run(wl, cfg, split)
+    assert out["complete"] == len(wl) and out["tokens"] == wl["output_tokens"].sum()
+    assert out["served"][0] == len(wl) and sum(out["served"][1:]) == (wl["output_tokens"] > 1).sum()
+    assert out["handovers_recomputed"] == 0 and out["split"] == "1P2D"
+    again = (wl["prompt_tokens"] % 16 + 1)[wl["output_tokens"] > 1].sum()  # decode side: partial block + token 1
+    assert out["prompt_tokens_computed"] == wl["prompt_tokens"].sum() - out["cached_tokens"] + again
+    assert out["recomputed_tokens"] == again and out["prefix_hit_rate"] > 0
+    assert split.handover_s(1000) == pytest.approx(0.05 + 1.0)
+
+
+def test_a_decode_pool_without_room_computes_the_prompt_again():
+    cfg, wl = run("chunked", **{"kv.block_size": 16, "kv.num_blocks": 40})  # room for about one request
+    out = split_run(wl, cfg, Split(1, 1, 1e12, 0.0, 1))
+    assert out["handovers_recomputed"] > 0 and out["complete"] == len(wl)
+
+
+def test_a_run_that_cannot_meet_its_slo_stops_early():
+    cfg, wl = run("continuous", **{"load.multiple": 40})
+    args = (COST, OmegaConf.to_container(cfg.policy), wl, STEP / 40, int(cfg.max_request_tokens), 0.05, 0.1, 1,
+            RouterSpec("round_robin"))
+    whole, probe = simulate_fleet(*args, kv="paged"), simulate_fleet(*args, kv="paged", most_late=0)
+    assert whole["complete"] == len(wl) and probe["complete"] < len(wl) and probe["steps"] < whole["steps"]

@@ -57,6 +57,16 @@ def test_mooncake_prefix_hit_ratio_within_3_points_of_40_percent():
     assert abs(ratio - 0.40) < 0.03 and wl.attrs["prefix_hit_ratio"] == ratio
 
 
+def test_conversations_share_prefixes_only_within_themselves():
+    """mooncake-sessions: the same 40 % hit ratio, every hit found within the request's own conversation (the hit
+    ratio of each conversation's prompts alone adds up to the whole's)."""
+    wl = build(cfg("mooncake-sessions", "workload.num_requests=2000", "profile=full", "profile.requests_scale=1"))
+    block, ratio = wl.attrs["prefix_block_tokens"], wl.attrs["prefix_hit_ratio"]
+    alone = sum(hit_ratio(list(g["prompt"]), block) * g["prompt_tokens"].sum() for _, g in wl.groupby("session"))
+    assert abs(ratio - 0.40) < 0.03 and wl["session"].nunique() == 64
+    assert alone / wl["prompt_tokens"].sum() == pytest.approx(ratio)
+
+
 def test_other_workloads_share_no_prefix():
     wl = build(cfg("azure-conv", "workload.num_requests=2000"))
     assert hit_ratio(list(wl["prompt"]), 16) == 0.0
