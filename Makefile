@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: setup repro test gpu-check peer
+.PHONY: setup repro test gpu-check peer slurm-check
 
 setup: $(VENV)/.installed
 
@@ -38,3 +38,9 @@ gpu-check: setup
 # ARGS='bench.peer.lab_levels=[w4]' or ARGS=isa=avx2
 peer: setup
 	python -m pipeline.tools.peer $(ARGS)
+
+# A sweep through a real SLURM cluster on this machine: slurm-wlm and munge installed where missing (as root), a
+# one-node cluster on loopback started, a two-job sweep through hydra/launcher=slurm, its table checked, the cluster
+# stopped (pipeline/tools/slurm_check.py). Not part of `make test`.
+slurm-check: setup
+	python -m pipeline.tools.slurm_check
