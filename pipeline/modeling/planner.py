@@ -16,7 +16,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from engine.router import RouterSpec
-from pipeline.config import compose_config
+from pipeline.config import compose_config, policy_spec
 from pipeline.modeling.batch import chunk_step, paged_pool
 from pipeline.modeling.fleet import Split, simulate_fleet
 from pipeline.modeling.machines import kv_tokens, spec_roofline
@@ -112,7 +112,7 @@ class Setting:
         a probe stops as soon as too many first tokens are late for the SLO to be met (its row is then partial)."""
         wl, parts = self.workload(rate, seed), fleet.parts
         split = parts and Split(*parts, self.link_bytes_s, self.latency_s, self.roof.kv_bytes_per_token())
-        policy = {"name": "chunked", "max_running": fleet.max_running, "token_budget": fleet.token_budget}
+        policy = policy_spec("chunked", max_running=fleet.max_running, token_budget=fleet.token_budget)
         router = RouterSpec(fleet.router, cache_tokens=int(self.kv_tokens), **dict(self.router_knobs))
         return simulate_fleet(self.roof, policy, wl, unit_s(wl, rate), int(self.cfg.max_request_tokens),
                               self.ttft_s, self.tpot_s, fleet.replicas, router, kv=paged_pool(self.kv_tokens),

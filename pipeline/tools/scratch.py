@@ -20,7 +20,7 @@ SMALL = [
     "bench.precision.sequences=8", "bench.precision.tokens=64", "bench.precision.greedy_requests=8",  # a short stream
     "bench.shaped.simulated.workloads=[azure-conv,azure-code]", "bench.shaped.simulated.multiples=[0.05,0.2,1.0]",
     "bench.shaped.measured.workloads=[azure-conv]",  # the production-shaped grid, smaller
-    "fleet.requests=12", "fleet.seconds=0.5", "fleet.routers.workloads={mooncake-sessions:[0.4]}",  # the fleet
+    "fleet.requests=12", "fleet.seconds=1", "fleet.routers.workloads={mooncake-sessions:[0.4]}",  # the fleet
     "fleet.split.workloads=[azure-code]", "fleet.split.shares=[0.5]", "fleet.plan.rates=[5,40]",  # report, small
 ]
 
