@@ -43,11 +43,12 @@ class Split:
         return self.latency_s + tokens * self.kv_bytes_per_token / self.link_bytes_s
 
 
-def simulate_fleet(cost, policy: dict, workload: pd.DataFrame, unit_s: float, max_request_tokens: int,
+def simulate_fleet(cost, policy, workload: pd.DataFrame, unit_s: float, max_request_tokens: int,
                    ttft_limit: float, tpot_limit: float, replicas: int, router: RouterSpec, kv="slot",
                    split: Split | None = None, most_late: int | None = None) -> dict:
-    """One open-loop run of the workload (arrivals at arrival_steps x unit_s seconds) over `replicas` colocated
-    engines, or `split`'s prefill and decode engines, behind the router: the summary row (summarize) with the
+    """One open-loop run of the workload (arrivals at arrival_steps x unit_s seconds; policy: a conf/policy entry or
+    record) over `replicas` colocated engines, or `split`'s prefill and decode engines, behind the router: the
+    summary row (summarize) with the
     prefix-cache hit rate (prompt tokens found cached where prompts are computed / prompt tokens), the GPUs' replicas
     and each one's requests. A request's session is the workload's `session` column where it has one, else its id.
     most_late: stop once more first tokens than this came later than ttft_limit (the run can no longer meet an SLO

@@ -42,10 +42,10 @@ def splits(spec: dict) -> list[dict]:
     return rows
 
 
-def planned(spec: dict) -> dict:
-    """The planner on `plan.workload` at each of `plan.rates`, each best fleet simulated again with the next seed."""
+def planned(spec: dict, s: Setting) -> dict:
+    """The planner on `plan.workload` (setting s) at each of `plan.rates`, each best fleet simulated again with the
+    next seed."""
     part = spec["plan"]
-    s = setting(spec, part["workload"])
     fleets = grid(list(part["routers"]), list(part["splits"]), list(part["max_running"]), list(part["budgets"]))
     return {"workload": part["workload"], "usd_per_gpu_hour": float(part["usd_per_gpu_hour"]),
             "check_seed": int(spec["seed"]) + 1,
@@ -59,4 +59,4 @@ def compute(spec: dict) -> dict:
             "model": s.cfg.model.name, "precision": s.cfg.precision.name, "tp": s.roof.tp,
             "requests": int(spec["requests"]), "seconds": float(spec["seconds"]), "seed": int(spec["seed"]),
             "slo": dict(s.cfg.slo), "kv_tokens_per_replica": s.kv_tokens, "link_gbs": s.link_bytes_s / 1e9,
-            "latency_s": s.latency_s, "routers": routers(spec), "splits": splits(spec), "plan": planned(spec)}
+            "latency_s": s.latency_s, "routers": routers(spec), "splits": splits(spec), "plan": planned(spec, s)}

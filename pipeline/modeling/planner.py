@@ -138,13 +138,14 @@ def unit_s(wl: pd.DataFrame, rate: float) -> float:
 def capacity(setting: Setting, fleet: Fleet, tolerance: float = 0.1) -> tuple[float, dict | None]:
     """The highest rate (req/s) at which the fleet meets the SLO, within `tolerance` (relative), and its run:
     bisection below the compute bound; (0, None) if not even a hundredth of it meets."""
-    lo, hi, best = 0.0, setting.bound(fleet), None
+    top = setting.bound(fleet)
+    lo, hi, best = 0.0, top, None
     row = setting.simulate(hi, fleet, probe=True)
     if setting.meets(row):
         return hi, row
     while hi - lo > tolerance * hi:
-        mid = (lo + hi) / 2 if lo else hi / 2
-        if not lo and mid < setting.bound(fleet) / 100:
+        mid = (lo + hi) / 2
+        if not lo and mid < top / 100:
             return 0.0, None
         row = setting.simulate(mid, fleet, probe=True)
         if setting.meets(row):
