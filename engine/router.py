@@ -2,7 +2,7 @@
 sent each replica and not yet seen finish, the prompts it sent each one), so that the fleet simulator and the
 routing server decide alike without asking the replicas anything.
 
-Policies (conf/router):
+Policies (conf/server/router.yaml; the fleet report's `fleet.routers`):
   round_robin    each replica in turn
   least_loaded   the fewest outstanding tokens (prompt + tokens asked for, of requests not finished)
   power_of_two   two replicas drawn at random (seeded), the one with fewer outstanding tokens
@@ -11,6 +11,8 @@ Policies (conf/router):
                  longest prefix with this one if that covers at least `cache_threshold` of the prompt, else the
                  least loaded; when outstanding requests are out of balance (more than `balance_abs` apart and the
                  largest more than `balance_rel` x the smallest), the replica with the fewest
+Replicas marked down (the routing server's health checks) are skipped by every policy; a session whose replica is down
+moves to the one chosen for it instead.
 The prefix index is approximate, as SGLang's router's tree is: chained hashes of `block_tokens`-token blocks of the
 prompts sent each replica, the least recently used forgotten beyond `cache_tokens` tokens a replica (its K/V pool).
 """
@@ -51,17 +53,23 @@ class Router:
         self.sent: dict[str, tuple[int, int]] = {}  # rid -> (replica, tokens)
         self.index = [OrderedDict() for _ in range(replicas)]  # per replica: block chain hash -> None, LRU first
         self.sessions: dict[str, int] = {}
+        self.down: set[int] = set()               # replicas skipped (unhealthy)
         self._turn = 0
         self._rng = random.Random(spec.seed)
 
-    def route(self, rid: str, prompt, max_tokens: int, session: str | None = None) -> int:
-        """The replica for this request (prompt: token ids or text), recorded as outstanding there."""
+    def route(self, rid: str, prompt, max_tokens: int, session: str | None = None, skip=()) -> int:
+        """The replica for this request (prompt: token ids or text), recorded as outstanding there; never one that is
+        down or in `skip` (LookupError when that leaves none)."""
         if rid in self.sent:
             raise ValueError(f"request {rid!r} is already routed")
+        live = [i for i in range(self.n) if i not in self.down and i not in skip]
+        if not live:
+            raise LookupError(f"no replica left to route to: {self.n - len(self.down)} of {self.n} up, "
+                              f"{len(skip)} tried already")
         chains = self._chains(prompt) if self.spec.policy == "prefix_aware" else []  # only it reads the index
-        to = self._choose(chains, len(prompt), session)
+        to = self._choose(chains, len(prompt), session, live)
         if session is not None and self.spec.policy == "session":
-            self.sessions.setdefault(session, to)
+            self.sessions[session] = to
         self._remember(to, chains)
         cost = len(prompt) + int(max_tokens)
         self.sent[rid] = (to, cost)
@@ -79,25 +87,26 @@ class Router:
         """Leading tokens of the prompt in the replica's index (whole blocks; prefix_aware keeps one)."""
         return self._match(replica, self._chains(prompt)) * self.spec.block_tokens
 
-    def _choose(self, chains: list[int], length: int, session: str | None) -> int:
+    def _choose(self, chains: list[int], length: int, session: str | None, live: list[int]) -> int:
         p = self.spec.policy
         if p == "round_robin":
-            self._turn += 1
-            return (self._turn - 1) % self.n
-        if p == "power_of_two" and self.n > 1:
-            a, b = self._rng.sample(range(self.n), 2)
+            to = next(i % self.n for i in range(self._turn, self._turn + self.n) if i % self.n in live)
+            self._turn = to + 1
+            return to
+        if p == "power_of_two" and len(live) > 1:
+            a, b = self._rng.sample(live, 2)
             return a if (self.tokens[a], a) <= (self.tokens[b], b) else b
-        if p == "session" and session in self.sessions:
+        if p == "session" and self.sessions.get(session) in live:
             return self.sessions[session]
         if p == "prefix_aware":
-            lo, hi = min(self.requests), max(self.requests)
+            lo, hi = min(self.requests[i] for i in live), max(self.requests[i] for i in live)
             if hi - lo > self.spec.balance_abs and hi > self.spec.balance_rel * lo:
-                return min(range(self.n), key=lambda i: (self.requests[i], i))
-            match = [self._match(i, chains) for i in range(self.n)]
-            best = max(range(self.n), key=lambda i: (match[i], -self.tokens[i], -i))
+                return min(live, key=lambda i: (self.requests[i], i))
+            match = {i: self._match(i, chains) for i in live}
+            best = max(live, key=lambda i: (match[i], -self.tokens[i], -i))
             if length and match[best] * self.spec.block_tokens >= self.spec.cache_threshold * length:
                 return best
-        return min(range(self.n), key=lambda i: (self.tokens[i], i))
+        return min(live, key=lambda i: (self.tokens[i], i))
 
     def _chains(self, prompt) -> list[int]:
         """The chained hash of each whole block of the prompt."""

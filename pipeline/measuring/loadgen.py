@@ -118,18 +118,20 @@ async def closed_loop(base_url: str, model: str, requests: list[tuple], concurre
 
 
 async def open_loop(base_url: str, model: str, requests: list[tuple], arrivals: list[float], timeout_s: float,
-                    api_key: str | None = None, ignore_eos: bool = True) -> list[dict]:
-    """Each request sent at its own absolute time (s from start): Poisson or gamma arrivals from a workload."""
+                    api_key: str | None = None, ignore_eos: bool = True, users: list[str] | None = None) -> list[dict]:
+    """Each request sent at its own absolute time (s from start): Poisson or gamma arrivals from a workload. users:
+    each request's OpenAI `user` (a conversation, to a router's session policy)."""
     url = endpoint(base_url, requests[0][0])
     async with session(api_key) as client:
         t0 = time.perf_counter()
 
-        async def at(when: float, prompt, n):
+        async def at(when: float, prompt, n, user):
+            body = body_for(model, prompt, n, ignore_eos) | ({"user": user} if user is not None else {})
             await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
-            return finish(await one(client, url, body_for(model, prompt, n, ignore_eos), t0, timeout_s),
-                          n if ignore_eos else None)
+            return finish(await one(client, url, body, t0, timeout_s), n if ignore_eos else None)
 
-        return list(await asyncio.gather(*(at(a, p, n) for a, (p, n) in zip(arrivals, requests))))
+        return list(await asyncio.gather(*(at(a, p, n, u) for a, (p, n), u in
+                                           zip(arrivals, requests, users or [None] * len(requests)))))
 
 
 async def health(client: aiohttp.ClientSession, root: str) -> dict:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from pipeline.config import group_entry
 from pipeline.measuring.metrics import meets_slo
-from pipeline.reporting import computed, models, precision_table, shaped, tables
+from pipeline.reporting import computed, fleet_measured, models, precision_table, shaped, tables
 from pipeline.workloads.runs import table_config
 
 
@@ -275,6 +275,11 @@ def build(cfg, root: Path) -> tuple[str, dict]:
         for title, note, body, m in shaped.render(shaped_result, results_by_table.get("all_policies", [])):
             parts.append(section(title, note + inputs.note(results / "shaped.json"), body))
             metrics.update(m)
+    fleet = read(results / "fleet.json")
+    if fleet:
+        title, note, body, m = fleet_measured.render(fleet)
+        parts.append(section(title, note + inputs.note(results / "fleet.json"), body))
+        metrics.update(m)
     servers = read(results / "server" / "servers.json")
     if servers:
         metrics.update({f"server.{r['backend'].replace(', ', '-').replace(' ', '_')}.c{r['concurrency']}.{k}":

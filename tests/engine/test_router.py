@@ -70,3 +70,23 @@ def test_a_bad_router_spec_names_what_to_choose(bad):
     with pytest.raises(ValueError) as err:
         RouterSpec(**bad)
     assert "router" in str(err.value) and (bad != {"policy": "random"} or str(list(POLICIES)) in str(err.value))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_skips_replicas_down_or_tried_and_says_when_none_is_left(policy):
+    r = Router(RouterSpec(policy, block_tokens=4), 3)
+    r.down.add(1)
+    assert {r.route(f"q{i}", prompt(7, 32, i), 8, session="s") for i in range(6)} <= {0, 2}
+    assert r.route("t", prompt(7, 32, 9), 8, session="s", skip={0}) == 2
+    with pytest.raises(LookupError, match="2 of 3 up, 2 tried"):
+        r.route("u", [1], 1, skip={0, 2})
+    assert "u" not in r.sent  # nothing recorded for a request not routed
+
+
+def test_a_session_whose_replica_goes_down_moves_and_stays_moved():
+    r = Router(RouterSpec("session"), 2)
+    home = r.route("t1", [1], 1, session="alice")
+    r.down.add(home)
+    moved = r.route("t2", [1], 1, session="alice")
+    r.down.clear()
+    assert moved != home and r.route("t3", [1], 1, session="alice") == moved

@@ -48,6 +48,7 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
             metrics[f"shared_prefix.S512.N{n}.uncached.cached_tokens"] == 0
     speed = [k for k in metrics if k.startswith("engine_speed.") and k.endswith(".bytes_fraction_here")]
     assert speed and all(0 <= metrics[k] < 10 for k in speed), speed  # each case against its own bandwidth reading
+    assert metrics["fleet.errors"] == 0 and "fleet.azure-conv.prefix_aware.ttft_p99_s" in metrics  # through the router
     preempted = {k: v for k, v in metrics.items() if k.startswith("preemption.") and k.endswith(".preemptions")}
     assert preempted["preemption.blocks48.preemptions"] > 0 == min(preempted.values()), preempted  # the big pool: none
     machine = json.loads((repo / "reports" / "machine.json").read_text())

@@ -1,0 +1,248 @@
+"""A fleet measured on this machine (stage bench_fleet, bench.fleet): `replicas` engine servers of threads / replicas
+threads each behind the routing server (servers/router.py), under every router policy, against one engine server of
+all `threads`, on each workload; the fleet simulator (pipeline.modeling.fleet) predicting every run beside it.
+
+- Requests: each workload's (production-shaped, at its `scale`; its `overrides`), Poisson arrivals at its `load` x the
+  rate at which the replicas serve its requests one at a time (the cost model at their threads), the same arrivals in
+  every run. Each
+  run's token ids are shifted by its index (modulo the vocabulary): the same lengths and shared prefixes, none found
+  in a prefix cache an earlier run filled. A request's `user` is its conversation (its id where it has none).
+- Cost models: fitted in this process to the engine's own steps at each thread count (closed-loop replays of the
+  first `calibrate` requests of each workload at max_running); the simulator runs the same engine policy, paged
+  pool and router on them.
+- The router's own cost: TTFT at c = 1 straight to a replica and through the router, request by request in turn, the
+  median of each.
+Every server dies with this process (engine.children)."""
+import asyncio
+import os
+import statistics
+import sys
+import time
+
+import httpx
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+from prometheus_client.parser import text_string_to_metric_families
+from scipy.stats import spearmanr
+
+from engine import threads
+from engine.children import running
+from engine.core.kv_blocks import BlockManager
+from engine.factory import build_engine
+from engine.model.loader import eos_ids
+from engine.router import POLICIES, RouterSpec
+from pipeline.config import ROOT, compose_config, kv_spec, policy_spec
+from pipeline.measuring.disturbance import Watch
+from pipeline.measuring.loadgen import body_for, finish, one, open_loop, session
+from pipeline.measuring.metrics import slo_limits, summarize
+from pipeline.measuring.replay import replay
+from pipeline.measuring.servers import free_port, main_step_s, reap, wait_ready
+from pipeline.modeling.cost_fit import fit
+from pipeline.modeling.fleet import simulate_fleet
+from pipeline.modeling.planner import unit_s
+from pipeline.modeling.simulation import simulate
+from pipeline.workloads.generate import build
+
+KEPT = ("requests", "complete", "wall_s", "throughput_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "slo_met")
+SHIFT = 7919  # token ids added per run (a prime), modulo the vocabulary
+OVERHEAD_TOKENS = 64  # prompt tokens of the router's cost check (a chat turn)
+
+
+def composed(base, workload: str, spec):
+    """The config of one workload's runs: the base's model, precision, profile, SLO and seed; Poisson arrivals; the
+    replicas' engine policy on a paged pool; the workload's overrides."""
+    top = [f"{g}={base[g].name}" for g in ("model", "precision", "profile", "slo")]
+    return compose_config(top + [f"seed={base.seed}", f"max_request_tokens={base.max_request_tokens}",
+                                 f"workload={workload}", "load=poisson", f"policy={spec.policy}", "kv=paged",
+                                 *spec.workloads[workload].overrides])
+
+
+def calibrated(net, cfgs: dict, wls: dict, n: int, threads_: int, limits) -> tuple:
+    """(cost model, fit stats) of the engine's steps at `threads_` threads on each workload's first n requests."""
+    threads.govern(threads_, limits)
+    steps = []
+    for name, wl in wls.items():
+        cfg = cfgs[name]
+        engine = build_engine(net, policy_spec(cfg.policy), int(cfg.max_request_tokens), eos_ids=eos_ids(net),
+                              kv=kv_spec(cfg.kv))
+        steps.append(replay(engine, wl.head(n), 0.0, int(cfg.policy.max_running))[1])
+    model, stats = fit(pd.concat(steps, ignore_index=True))
+    return model, {"threads": threads_, "steps": stats["steps"], "median_rel_error": stats["median_rel_error"],
+                   "p90_rel_error": stats["p90_rel_error"]}
+
+
+def rate_alone(cost, cfg, wl: pd.DataFrame, replicas: int) -> float:
+    """Requests per second `replicas` serve when each serves its requests one at a time (simulated on `cost`)."""
+    one = simulate(cost, OmegaConf.to_container(cfg.policy), wl, 1.0, int(cfg.max_request_tokens), float("inf"),
+                   float("inf"), concurrency=1, kv=OmegaConf.to_container(cfg.kv))
+    return replicas * len(wl) / one["wall_s"]
+
+
+def shifted(wl: pd.DataFrame, run: int, vocab: int) -> list[list[int]]:
+    return [[(int(t) + run * SHIFT) % vocab for t in p] for p in wl["prompt"]]
+
+
+def counter(url: str, name: str) -> float:
+    """A Prometheus counter's total at url/metrics (summed over its labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == f"{name}_total")
+
+
+def start_all(args_list: list[list[str]], names: list[str]) -> tuple[list, list[str]]:
+    """Servers (python -m servers with these overrides), each on a free port, started together; once all answer:
+    (processes, base URLs)."""
+    ports = [free_port() for _ in args_list]
+    env = {**os.environ, "LAB_API_KEY": ""}
+    procs = [running([sys.executable, "-m", "servers", *a, f"port={p}"], cwd=ROOT, env=env)
+             for a, p in zip(args_list, ports)]
+    try:
+        for proc, port, name in zip(procs, ports, names):
+            wait_ready(proc, port, name)
+    except RuntimeError:
+        for proc in procs:
+            proc.kill()
+        raise
+    return procs, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def stop_all(procs: list) -> None:
+    for proc in procs:
+        proc.terminate()
+    reap(procs)
+
+
+def engine_args(cfg, threads_: int) -> list[str]:
+    return [f"model={cfg.model.name}", f"precision={cfg.precision.name}", f"isa={cfg.isa.name}", "server=engine",
+            f"threads={threads_}", f"seed={cfg.seed}", f"policy={cfg.policy.name}", "kv=paged",
+            f"server.max_request_tokens={cfg.max_request_tokens}", "server.max_waiting=4096",
+            "server.max_queue_wait_s=inf"]
+
+
+def router_args(policy: str, urls: list[str], cache_tokens: int, seed: int) -> list[str]:
+    return ["server=router", f"server.policy={policy}", f"server.backends=[{','.join(urls)}]",
+            f"server.cache_tokens={cache_tokens}", f"seed={seed}"]
+
+
+def one_run(url: str, model: str, wl: pd.DataFrame, prompts, arrivals: list[float], timeout_s: float,
+            replicas: list[str], limits: tuple[float, float], measure, pids: list[int]) -> dict:
+    """One open-loop run: its summary (KEPT), errors, the prefix-cache hit rate the replicas counted (tokens found
+    cached / the workload's prompt tokens), and what other work took meanwhile (pids: the servers, whose CPU is the
+    run's own; a disturbed run is labelled, not repeated: the stage's time)."""
+    hits0 = sum(counter(r, "vllm:prefix_cache_hits") for r in replicas)
+    users = [str(s) for s in (wl["session"] if "session" in wl else wl["rid"])]
+    reqs = [(p, int(n)) for p, n in zip(prompts, wl["output_tokens"])]
+    with Watch(measure, pids) as watch:
+        out = asyncio.run(open_loop(f"{url}/v1", model, reqs, arrivals, timeout_s, users=users))
+    hits = sum(counter(r, "vllm:prefix_cache_hits") for r in replicas) - hits0
+    s = summarize(pd.DataFrame(out), None, *limits)
+    errors = [r["error"] for r in out if r["error"]]
+    return {**{k: s[k] for k in KEPT}, "errors": len(errors), "first_error": errors[0] if errors else None,
+            "prefix_hit_rate": hits / float(wl["prompt_tokens"].sum()), **watch.result.fields()}
+
+
+def overhead(model: str, direct: str, routed: str, prompts: list[list[int]], spec) -> dict:
+    """TTFT at c = 1 straight to a replica and through the router, one request each way in turn (which goes first
+    alternates), `pairs` pairs after one unrecorded pair; a pair's two prompts of one length, none alike: each way's
+    median."""
+    async def pairs() -> dict:
+        got = {"direct": [], "router": []}
+        async with session(None, 2) as client:
+            for i in range(int(spec.overhead.pairs) + 1):
+                ways = [("direct", direct), ("router", routed)][::1 if i % 2 else -1]
+                for j, (name, url) in enumerate(ways):
+                    body = body_for(model, prompts[2 * i + j], int(spec.overhead.max_tokens), True)
+                    t0 = time.perf_counter()
+                    rec = finish(await one(client, f"{url}/v1/completions", body, t0, 60.0), None)
+                    if i and rec["complete"]:
+                        got[name].append(rec["first_token"] - rec["arrival"])
+        return got
+    got = asyncio.run(pairs())
+    med = {k: statistics.median(v) for k, v in got.items()}
+    return {"direct_ttft_p50_s": med["direct"], "router_ttft_p50_s": med["router"],
+            "added": med["router"] / med["direct"] - 1, "pairs": len(got["router"])}
+
+
+def run_fleet(net, tok_vocab: tuple, base) -> dict:
+    """Every measured run and its simulation (bench.fleet); the simulator's agreement on TTFT p99 and p50."""
+    spec, vocab = base.bench.fleet, tok_vocab[1]
+    n, t_all = int(spec.replicas), int(base.threads)
+    t_one = max(1, t_all // n)
+    cfgs = {w: composed(base, w, spec) for w in spec.workloads}
+    wls = {w: build(c, *tok_vocab) for w, c in cfgs.items()}
+    costs = {t: calibrated(net, cfgs, wls, int(spec.calibrate), t, base.measure) for t in sorted({t_one, t_all})}
+    threads.stop(t_all)
+    step_s = main_step_s()
+    any_cfg = next(iter(cfgs.values()))
+    pool = BlockManager.sized(kv_spec(any_cfg.kv), int(any_cfg.policy.max_running), int(any_cfg.max_request_tokens),
+                              None)
+    pool_tokens = pool.num_blocks * pool.block_size  # the router's index: what a replica's pool holds
+    plans = []  # (workload, layout, router policy or None, servers' threads, replicas)
+    for w in spec.workloads:
+        plans += [(w, "fleet", p, t_one, n) for p in POLICIES] + [(w, "one server", None, t_all, 1)]
+    units = {w: unit_s(wl, float(spec.workloads[w].load) * rate_alone(costs[t_one][0], cfgs[w], wl, n))
+             for w, wl in wls.items()}
+    arrivals = {w: (wl["arrival_steps"] * units[w]).tolist() for w, wl in wls.items()}
+    rows, model_name = [], base.model.name
+    fleet_procs, urls = start_all([engine_args(any_cfg, t_one)] * n, [f"replica {i}" for i in range(n)])
+    try:
+        router_procs, (routed,) = start_all([router_args("round_robin", urls[:1], pool_tokens, int(base.seed))],
+                                            ["router"])  # in front of the replica measured straight
+        try:
+            first = next(iter(wls.values()))["prompt"].tolist()  # the first workload's prompts, cut and shifted:
+            prompts = [[(int(t) + (len(plans) + k) * SHIFT) % vocab
+                        for t in first[k // 2 % len(first)][:OVERHEAD_TOKENS]]
+                       for k in range(2 * int(spec.overhead.pairs) + 2)]  # a pair's two alike, none found cached
+            cost_of_router = overhead(model_name, urls[0], routed, prompts, spec)
+        finally:
+            stop_all(router_procs)
+        for i, (w, layout, policy, t, reps) in enumerate(plans):
+            if layout != "fleet":
+                continue
+            procs, (routed,) = start_all([router_args(policy, urls, pool_tokens, int(base.seed))], [f"router {policy}"])
+            try:
+                got = one_run(routed, model_name, wls[w], shifted(wls[w], i, vocab), arrivals[w],
+                              float(spec.timeout_s), urls, slo_limits(cfgs[w].slo, step_s), base.measure,
+                              [p.pid for p in fleet_procs + procs])
+            finally:
+                stop_all(procs)
+            rows.append({"workload": w, "layout": layout, "router": policy, "threads": t, "replicas": reps, **got})
+            print(f"{w} {policy}: TTFT p99 {got['ttft_p99_s']:.3f} s, {got['errors']} errors, {got['wall_s']:.1f} s",
+                  flush=True)
+    finally:
+        stop_all(fleet_procs)
+    single, (url,) = start_all([engine_args(any_cfg, t_all)], ["one server"])
+    try:
+        for i, (w, layout, policy, t, reps) in enumerate(plans):
+            if layout == "fleet":
+                continue
+            got = one_run(url, model_name, wls[w], shifted(wls[w], i, vocab), arrivals[w], float(spec.timeout_s),
+                          [url], slo_limits(cfgs[w].slo, step_s), base.measure, [p.pid for p in single])
+            rows.append({"workload": w, "layout": layout, "router": None, "threads": t, "replicas": reps, **got})
+            print(f"{w} one server: TTFT p99 {got['ttft_p99_s']:.3f} s", flush=True)
+    finally:
+        stop_all(single)
+    for r in rows:
+        wl, cfg = wls[r["workload"]], cfgs[r["workload"]]
+        sim = simulate_fleet(costs[r["threads"]][0], OmegaConf.to_container(cfg.policy), wl, units[r["workload"]],
+                             int(cfg.max_request_tokens), *slo_limits(cfg.slo, step_s), r["replicas"],
+                             RouterSpec(r["router"] or "round_robin", cache_tokens=pool_tokens, seed=int(base.seed)),
+                             kv=OmegaConf.to_container(cfg.kv))
+        r.update({f"sim_{k}": sim[k] for k in (*KEPT, "prefix_hit_rate")})
+    return {"rows": rows, "overhead": cost_of_router, "agreement": agreement(rows),
+            "cost_models": {str(t): {**c[1], "cost_model": c[0].as_dict()} for t, c in costs.items()},
+            "loads": {w: float(spec.workloads[w].load) for w in wls}, "calibrate": int(spec.calibrate),
+            "replica_pool_tokens": pool_tokens}
+
+
+def agreement(rows: list[dict]) -> dict:
+    """Per metric, over the fleet's runs (every router policy on every workload): Spearman rank correlation and
+    median relative error of the simulated runs against the measured; the one-server runs' errors apart."""
+    out = {}
+    for m in ("ttft_p99_s", "ttft_p50_s", "throughput_tps"):
+        fleet = [r for r in rows if r["router"]]
+        real, sim = (np.array([r[k] for r in fleet], float) for k in (m, f"sim_{m}"))
+        out[m] = {"spearman": float(spearmanr(real, sim).statistic),
+                  "median_rel_error": float(np.median(np.abs(sim / real - 1))),
+                  "one_server_rel_errors": [r[f"sim_{m}"] / r[m] - 1 for r in rows if not r["router"]]}
+    return out
