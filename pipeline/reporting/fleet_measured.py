@@ -57,8 +57,9 @@ def render(result: dict) -> tuple[str, str, str, dict]:
             f"{e:+.0%}" for e in ag["ttft_p99_s"]["one_server_rel_errors"])
         + f". Requests lost: {errors} errors over {sum(r['requests'] for r in rows)} requests." + disturbed(rows),
         f"The router's own cost at c = 1: TTFT p50 {oh['router_ttft_p50_s'] * 1e3:.1f} ms through it against "
-        f"{oh['direct_ttft_p50_s'] * 1e3:.1f} ms straight to the replica ({oh['added']:+.1%}; medians of "
-        f"{oh['pairs']} requests each way, one way then the other in turn)."])
+        f"{oh['direct_ttft_p50_s'] * 1e3:.1f} ms straight to the replica; over {oh['pairs']} pairs of requests "
+        f"(one each way in turn, the two of a pair alike in length), the median pair's TTFT through the router is "
+        f"{oh['added']:+.1%} off the direct one's."])
     metrics = {"fleet.ttft_p99.spearman": round(ag["ttft_p99_s"]["spearman"], 4),
                "fleet.ttft_p99.median_rel_error": round(ag["ttft_p99_s"]["median_rel_error"], 4),
                "fleet.router_added_ttft_p50": round(oh["added"], 4), "fleet.errors": errors}
