@@ -22,8 +22,9 @@ SMALL = [
     "bench.shaped.measured.workloads=[azure-conv]",  # the production-shaped grid, smaller
     "fleet.requests=12", "fleet.seconds=1", "fleet.routers.workloads={mooncake-sessions:[0.4]}",  # the fleet
     "fleet.split.workloads=[azure-code]", "fleet.split.shares=[0.5]", "fleet.plan.rates=[5,40]",  # report, small
-    "~bench.fleet.workloads.mooncake-sessions", "bench.fleet.calibrate=4", "bench.fleet.overhead.pairs=4",
-    'bench.fleet.workloads.azure-conv.overrides=["workload.num_requests=8","workload.scale=16"]',  # the measured fleet
+    "bench.fleet.calibrate=4", "bench.fleet.overhead.pairs=4",  # the measured fleet: 8 requests a run (x 0.75)
+    'bench.fleet.workloads.mooncake-sessions.overrides=["workload.num_requests=8","workload.prefix.sessions=2"]',
+    'bench.fleet.workloads.azure-conv.overrides=["workload.num_requests=8","workload.scale=16"]',
 ]
 
 
