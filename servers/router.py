@@ -58,7 +58,7 @@ def asked_tokens(body: dict, default: int) -> int:
 class Metrics:
     """The router's Prometheus metrics: requests by replica and status, retries, each replica's health and load."""
 
-    def __init__(self, backends: list[str]):
+    def __init__(self):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("lab:router_requests", "Requests answered, by replica and HTTP status.",
                                 ["replica", "status"], registry=r)
@@ -76,7 +76,7 @@ def create_router_app(backends: list[str], spec: RouterSpec, default_max_tokens:
     urls = [b.rstrip("/").removesuffix("/v1") for b in backends]
     if not urls:
         raise ValueError("the router needs at least one backend: server.backends=[http://127.0.0.1:8001,...]")
-    router, metrics = Router(spec, len(urls)), Metrics(urls)
+    router, metrics = Router(spec, len(urls)), Metrics()
     state: dict = {}
 
     def mark(i: int, up: bool) -> None:
