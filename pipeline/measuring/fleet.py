@@ -167,76 +167,98 @@ def overhead(model: str, direct: str, routed: str, prompts: list[list[int]], spe
             "added": statistics.median(p["router"] / p["direct"] - 1 for p in got), "pairs": len(got)}
 
 
-def run_fleet(net, tok_vocab: tuple, base) -> dict:
-    """Every measured run and its simulation (bench.fleet); the simulator's agreement on TTFT p99 and p50."""
-    spec, vocab = base.bench.fleet, tok_vocab[1]
-    n, t_all = int(spec.replicas), int(base.threads)
-    t_one = max(1, t_all // n)
-    cfgs = {w: composed(base, w, spec) for w in spec.workloads}
-    wls = {w: build(c, *tok_vocab) for w, c in cfgs.items()}
-    costs = {t: calibrated(net, cfgs, wls, int(spec.calibrate), t, base.measure) for t in sorted({t_one, t_all})}
-    threads.stop(t_all)
-    step_s = main_step_s()
-    any_cfg = next(iter(cfgs.values()))
-    pool = BlockManager.sized(kv_spec(any_cfg.kv), int(any_cfg.policy.max_running), int(any_cfg.max_request_tokens),
-                              None)
-    pool_tokens = pool.num_blocks * pool.block_size  # the router's index: what a replica's pool holds
-    plans = []  # (workload, layout, router policy or None, servers' threads, replicas)
-    for w in spec.workloads:
-        plans += [(w, "fleet", p, t_one, n) for p in POLICIES] + [(w, "one server", None, t_all, 1)]
-    units = {w: unit_s(wl, float(spec.workloads[w].load) * rate_alone(costs[t_one][0], cfgs[w], wl, n))
-             for w, wl in wls.items()}
-    arrivals = {w: (wl["arrival_steps"] * units[w]).tolist() for w, wl in wls.items()}
-    rows, model_name = [], base.model.name
-    fleet_procs, urls = start_all([engine_args(any_cfg, t_one)] * n, [f"replica {i}" for i in range(n)])
-    try:
-        router_procs, (routed,) = start_all([router_args("round_robin", urls[:1], pool_tokens, int(base.seed))],
-                                            ["router"])  # in front of the replica measured straight
+class Bench:
+    """What every run of the stage shares: each workload's config, requests, arrivals and run indices (its token
+    shift), the cost model at each thread count, a replica's pool."""
+
+    def __init__(self, net, tok_vocab: tuple, base):
+        self.base, self.spec, self.vocab = base, base.bench.fleet, tok_vocab[1]
+        self.replicas, self.threads = int(self.spec.replicas), int(base.threads)
+        self.one = max(1, self.threads // self.replicas)  # threads of a replica
+        self.cfgs = {w: composed(base, w, self.spec) for w in self.spec.workloads}
+        self.wls = {w: build(c, *tok_vocab) for w, c in self.cfgs.items()}
+        self.costs = {t: calibrated(net, self.cfgs, self.wls, int(self.spec.calibrate), t, base.measure)
+                      for t in sorted({self.one, self.threads})}
+        threads.stop(self.threads)
+        self.step_s = main_step_s()
+        cfg = next(iter(self.cfgs.values()))
+        pool = BlockManager.sized(kv_spec(cfg.kv), int(cfg.policy.max_running), int(cfg.max_request_tokens), None)
+        self.pool_tokens = pool.num_blocks * pool.block_size  # the router's index: what a replica's pool holds
+        self.units = {w: unit_s(wl, float(self.spec.workloads[w].load) * rate_alone(self.costs[self.one][0],
+                                                                                    self.cfgs[w], wl, self.replicas))
+                      for w, wl in self.wls.items()}  # s per arrival step
+        self.index = {(w, p): i * (len(POLICIES) + 1) + j for i, w in enumerate(self.wls)
+                      for j, p in enumerate([*POLICIES, None])}  # run -> its token shift (None: one server)
+
+    def run(self, url: str, w: str, policy: str | None, replicas: list[str], pids: list[int]) -> dict:
+        """One measured run of workload w (through the router with `policy`, or straight to one server)."""
+        wl = self.wls[w]
+        got = one_run(url, self.base.model.name, wl, shifted(wl, self.index[w, policy], self.vocab),
+                      (wl["arrival_steps"] * self.units[w]).tolist(), float(self.spec.timeout_s), replicas,
+                      slo_limits(self.cfgs[w].slo, self.step_s), self.base.measure, pids)
+        threads_, reps = (self.one, self.replicas) if policy else (self.threads, 1)
+        print(f"{w} {policy or 'one server'}: TTFT p99 {got['ttft_p99_s']:.3f} s, {got['errors']} errors, "
+              f"{got['wall_s']:.1f} s", flush=True)
+        return {"workload": w, "layout": "fleet" if policy else "one server", "router": policy, "threads": threads_,
+                "replicas": reps, **got}
+
+    def fleet_runs(self) -> tuple[list[dict], dict]:
+        """The replicas up: the router's cost at c = 1, then every workload under every policy's router."""
+        cfg, seed = next(iter(self.cfgs.values())), int(self.base.seed)
+        fleet, urls = start_all([engine_args(cfg, self.one)] * self.replicas,
+                                [f"replica {i}" for i in range(self.replicas)])
+        rows = []
         try:
-            first = next(iter(wls.values()))["prompt"].tolist()  # the first workload's prompts, cut and shifted:
-            prompts = [[(int(t) + (len(plans) + k) * SHIFT) % vocab
-                        for t in first[k // 2 % len(first)][:OVERHEAD_TOKENS]]
-                       for k in range(2 * int(spec.overhead.pairs) + 2)]  # a pair's two alike, none found cached
-            cost_of_router = overhead(model_name, urls[0], routed, prompts, spec)
-        finally:
-            stop_all(router_procs)
-        for i, (w, layout, policy, t, reps) in enumerate(plans):
-            if layout != "fleet":
-                continue
-            procs, (routed,) = start_all([router_args(policy, urls, pool_tokens, int(base.seed))], [f"router {policy}"])
-            try:
-                got = one_run(routed, model_name, wls[w], shifted(wls[w], i, vocab), arrivals[w],
-                              float(spec.timeout_s), urls, slo_limits(cfgs[w].slo, step_s), base.measure,
-                              [p.pid for p in fleet_procs + procs])
+            procs, (routed,) = start_all([router_args("round_robin", urls[:1], self.pool_tokens, seed)], ["router"])
+            try:  # in front of the replica measured straight; the first workload's prompts, cut and shifted
+                first, base = next(iter(self.wls.values()))["prompt"].tolist(), len(self.index)
+                prompts = [[(int(t) + (base + k) * SHIFT) % self.vocab
+                            for t in first[k // 2 % len(first)][:OVERHEAD_TOKENS]]
+                           for k in range(2 * int(self.spec.overhead.pairs) + 2)]  # a pair's two alike, none cached
+                cost = overhead(self.base.model.name, urls[0], routed, prompts, self.spec)
             finally:
                 stop_all(procs)
-            rows.append({"workload": w, "layout": layout, "router": policy, "threads": t, "replicas": reps, **got})
-            print(f"{w} {policy}: TTFT p99 {got['ttft_p99_s']:.3f} s, {got['errors']} errors, {got['wall_s']:.1f} s",
-                  flush=True)
-    finally:
-        stop_all(fleet_procs)
-    single, (url,) = start_all([engine_args(any_cfg, t_all)], ["one server"])
-    try:
-        for i, (w, layout, policy, t, reps) in enumerate(plans):
-            if layout == "fleet":
-                continue
-            got = one_run(url, model_name, wls[w], shifted(wls[w], i, vocab), arrivals[w], float(spec.timeout_s),
-                          [url], slo_limits(cfgs[w].slo, step_s), base.measure, [p.pid for p in single])
-            rows.append({"workload": w, "layout": layout, "router": None, "threads": t, "replicas": reps, **got})
-            print(f"{w} one server: TTFT p99 {got['ttft_p99_s']:.3f} s", flush=True)
-    finally:
-        stop_all(single)
+            for w in self.wls:
+                for policy in POLICIES:
+                    procs, (routed,) = start_all([router_args(policy, urls, self.pool_tokens, seed)],
+                                                 [f"router {policy}"])
+                    try:
+                        rows.append(self.run(routed, w, policy, urls, [p.pid for p in fleet + procs]))
+                    finally:
+                        stop_all(procs)
+        finally:
+            stop_all(fleet)
+        return rows, cost
+
+    def one_server_runs(self) -> list[dict]:
+        procs, (url,) = start_all([engine_args(next(iter(self.cfgs.values())), self.threads)], ["one server"])
+        try:
+            return [self.run(url, w, None, [url], [p.pid for p in procs]) for w in self.wls]
+        finally:
+            stop_all(procs)
+
+    def predicted(self, r: dict) -> dict:
+        """The fleet simulator's run r (sim_ fields)."""
+        wl, cfg = self.wls[r["workload"]], self.cfgs[r["workload"]]
+        sim = simulate_fleet(self.costs[r["threads"]][0], OmegaConf.to_container(cfg.policy), wl,
+                             self.units[r["workload"]], int(cfg.max_request_tokens),
+                             *slo_limits(cfg.slo, self.step_s), r["replicas"],
+                             RouterSpec(r["router"] or "round_robin", cache_tokens=self.pool_tokens,
+                                        seed=int(self.base.seed)), kv=OmegaConf.to_container(cfg.kv))
+        return {f"sim_{k}": sim[k] for k in (*KEPT, "prefix_hit_rate")}
+
+
+def run_fleet(net, tok_vocab: tuple, base) -> dict:
+    """Every measured run and its simulation (bench.fleet); the simulator's agreement on TTFT p99 and p50."""
+    b = Bench(net, tok_vocab, base)
+    rows, cost = b.fleet_runs()
+    rows += b.one_server_runs()
     for r in rows:
-        wl, cfg = wls[r["workload"]], cfgs[r["workload"]]
-        sim = simulate_fleet(costs[r["threads"]][0], OmegaConf.to_container(cfg.policy), wl, units[r["workload"]],
-                             int(cfg.max_request_tokens), *slo_limits(cfg.slo, step_s), r["replicas"],
-                             RouterSpec(r["router"] or "round_robin", cache_tokens=pool_tokens, seed=int(base.seed)),
-                             kv=OmegaConf.to_container(cfg.kv))
-        r.update({f"sim_{k}": sim[k] for k in (*KEPT, "prefix_hit_rate")})
-    return {"rows": rows, "overhead": cost_of_router, "agreement": agreement(rows),
-            "cost_models": {str(t): {**c[1], "cost_model": c[0].as_dict()} for t, c in costs.items()},
-            "loads": {w: float(spec.workloads[w].load) for w in wls}, "calibrate": int(spec.calibrate),
-            "replica_pool_tokens": pool_tokens}
+        r.update(b.predicted(r))
+    return {"rows": rows, "overhead": cost, "agreement": agreement(rows),
+            "cost_models": {str(t): {**c[1], "cost_model": c[0].as_dict()} for t, c in b.costs.items()},
+            "loads": {w: float(b.spec.workloads[w].load) for w in b.wls}, "calibrate": int(b.spec.calibrate),
+            "replica_pool_tokens": b.pool_tokens}
 
 
 def agreement(rows: list[dict]) -> dict:
