@@ -36,6 +36,19 @@ def wait_for(ready, timeout_s: float, message: str):
         time.sleep(0.01)
 
 
+def in_thread(app, read_timeout_s: float = 20.0, send_timeout_s: float = 10.0,
+              max_unread_bytes: int = 262144) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """An app on a free loopback port in a daemon thread, once it has started: (its server, the thread, its URL)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, max_connections=2048,
+                                           read_timeout_s=read_timeout_s, send_timeout_s=send_timeout_s,
+                                           max_unread_bytes=max_unread_bytes, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "the test server did not start within 30 s")
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
 class Server:
     """The app on a real loopback port in a thread, for real HTTP clients. policy: an engine policy, or
     {"name": "generate", "max_batch": .., "max_wait_ms": ..} for the HF generate backends."""
@@ -50,16 +63,15 @@ class Server:
             self.engine = build_engine(model, policy, max_request_tokens, eos_ids(model), kv=kv)
             self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
-        self.port = free_port()
         app = create_app(self.worker, tok, "tiny-chat", api_key, default_max_tokens=16,
                          max_queue_wait_s=max_queue_wait_s, max_body_bytes=max_body_bytes)
-        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, max_connections=2048,
-                                                    read_timeout_s=read_timeout_s, send_timeout_s=send_timeout_s,
-                                                    max_unread_bytes=max_unread_bytes, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, 30, "the test server did not start within 30 s")
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.server, self.thread, self.url = in_thread(app, read_timeout_s=read_timeout_s,
+                                                       send_timeout_s=send_timeout_s,
+                                                       max_unread_bytes=max_unread_bytes)
+
+    @property
+    def port(self) -> int:
+        return self.server.config.port
 
     def __enter__(self):
         return self

@@ -16,7 +16,6 @@ Every server dies with this process (engine.children)."""
 import asyncio
 import os
 import statistics
-import sys
 import time
 
 import httpx
@@ -27,17 +26,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import spearmanr
 
 from engine import threads
-from engine.children import running
 from engine.core.kv_blocks import BlockManager
 from engine.factory import build_engine
 from engine.model.loader import eos_ids
 from engine.router import POLICIES, RouterSpec
-from pipeline.config import ROOT, compose_config, kv_spec, policy_spec
+from pipeline.config import compose_config, kv_spec, policy_spec
 from pipeline.measuring.disturbance import Watch
 from pipeline.measuring.loadgen import body_for, finish, one, open_loop, session
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.measuring.replay import replay
-from pipeline.measuring.servers import free_port, main_step_s, reap, wait_ready
+from pipeline.measuring.servers import main_step_s, serve_all, stop
 from pipeline.modeling.cost_fit import fit
 from pipeline.modeling.fleet import simulate_fleet
 from pipeline.modeling.planner import unit_s
@@ -91,27 +89,10 @@ def counter(url: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == f"{name}_total")
 
 
-def start_all(args_list: list[list[str]], names: list[str]) -> tuple[list, list[str]]:
-    """Servers (python -m servers with these overrides), each on a free port, started together; once all answer:
-    (processes, base URLs)."""
-    ports = [free_port() for _ in args_list]
-    env = {**os.environ, "LAB_API_KEY": ""}
-    procs = [running([sys.executable, "-m", "servers", *a, f"port={p}"], cwd=ROOT, env=env)
-             for a, p in zip(args_list, ports)]
-    try:
-        for proc, port, name in zip(procs, ports, names):
-            wait_ready(proc, port, name)
-    except RuntimeError:
-        for proc in procs:
-            proc.kill()
-        raise
+def started(overrides: list[list[str]], names: list[str]) -> tuple[list, list[str]]:
+    """Lab servers started together (serve_all), none asking for an API key: (processes, base URLs)."""
+    procs, ports = serve_all(overrides, names, {**os.environ, "LAB_API_KEY": ""})
     return procs, [f"http://127.0.0.1:{p}" for p in ports]
-
-
-def stop_all(procs: list) -> None:
-    for proc in procs:
-        proc.terminate()
-    reap(procs)
 
 
 def engine_args(cfg, threads_: int) -> list[str]:
@@ -205,11 +186,11 @@ class Bench:
     def fleet_runs(self) -> tuple[list[dict], dict]:
         """The replicas up: the router's cost at c = 1, then every workload under every policy's router."""
         cfg, seed = next(iter(self.cfgs.values())), int(self.base.seed)
-        fleet, urls = start_all([engine_args(cfg, self.one)] * self.replicas,
+        fleet, urls = started([engine_args(cfg, self.one)] * self.replicas,
                                 [f"replica {i}" for i in range(self.replicas)])
         rows = []
         try:
-            procs, (routed,) = start_all([router_args("round_robin", urls[:1], self.pool_tokens, seed)], ["router"])
+            procs, (routed,) = started([router_args("round_robin", urls[:1], self.pool_tokens, seed)], ["router"])
             try:  # in front of the replica measured straight; the first workload's prompts, cut and shifted
                 first, base = next(iter(self.wls.values()))["prompt"].tolist(), len(self.index)
                 prompts = [[(int(t) + (base + k) * SHIFT) % self.vocab
@@ -217,25 +198,25 @@ class Bench:
                            for k in range(2 * int(self.spec.overhead.pairs) + 2)]  # a pair's two alike, none cached
                 cost = overhead(self.base.model.name, urls[0], routed, prompts, self.spec)
             finally:
-                stop_all(procs)
+                stop(*procs)
             for w in self.wls:
                 for policy in POLICIES:
-                    procs, (routed,) = start_all([router_args(policy, urls, self.pool_tokens, seed)],
+                    procs, (routed,) = started([router_args(policy, urls, self.pool_tokens, seed)],
                                                  [f"router {policy}"])
                     try:
                         rows.append(self.run(routed, w, policy, urls, [p.pid for p in fleet + procs]))
                     finally:
-                        stop_all(procs)
+                        stop(*procs)
         finally:
-            stop_all(fleet)
+            stop(*fleet)
         return rows, cost
 
     def one_server_runs(self) -> list[dict]:
-        procs, (url,) = start_all([engine_args(next(iter(self.cfgs.values())), self.threads)], ["one server"])
+        procs, (url,) = started([engine_args(next(iter(self.cfgs.values())), self.threads)], ["one server"])
         try:
             return [self.run(url, w, None, [url], [p.pid for p in procs]) for w in self.wls]
         finally:
-            stop_all(procs)
+            stop(*procs)
 
     def predicted(self, r: dict) -> dict:
         """The fleet simulator's run r (sim_ fields)."""

@@ -47,9 +47,24 @@ def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
 
 def serve(overrides: list[str], name: str) -> tuple[subprocess.Popen, int]:
     """A lab server (python -m servers with these conf/ overrides) on a free port, once it answers; and the port."""
-    port = free_port()
-    args = [sys.executable, "-m", "servers", *overrides, f"port={port}"]
-    return wait_ready(running(args, cwd=ROOT), port, name), port
+    (proc,), (port,) = serve_all([overrides], [name])
+    return proc, port
+
+
+def serve_all(overrides: list[list[str]], names: list[str], env: dict | None = None) -> tuple[list, list[int]]:
+    """Lab servers (python -m servers with each list of conf/ overrides), each on a free port, started together;
+    once every one answers: (processes, ports). One that fails to come up: all of them killed, the error raised."""
+    ports = [free_port() for _ in overrides]
+    procs = [running([sys.executable, "-m", "servers", *o, f"port={p}"], cwd=ROOT, env=env)
+             for o, p in zip(overrides, ports)]
+    try:
+        for proc, port, name in zip(procs, ports, names):
+            wait_ready(proc, port, name)
+    except RuntimeError:
+        for proc in procs:
+            proc.kill()
+        raise
+    return procs, ports
 
 
 def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 300,
@@ -74,10 +89,11 @@ def wait_ready(proc: subprocess.Popen, port: int, name: str, timeout_s: float = 
     raise RuntimeError(f"server {name} did not come up")
 
 
-def stop(proc: subprocess.Popen):
-    """SIGTERM (a lab server drains), then reaped: killed if still there after 20 s."""
-    proc.terminate()
-    reap([proc])
+def stop(*procs: subprocess.Popen):
+    """SIGTERM each (a lab server drains), then reaped: killed if still there after 20 s."""
+    for proc in procs:
+        proc.terminate()
+    reap(list(procs))
 
 
 def reap(procs: list[subprocess.Popen]):

@@ -1,34 +1,23 @@
 """The routing server in front of real engine servers (in-process, tiny-chat): the official client through it gets
 what a replica gives, streamed and whole; the router's policy spreads the requests; replicas' errors pass through
 as they were sent; a replica that cannot serve is skipped without losing the request."""
-import threading
-
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.router import RouterSpec
 from engine.specs import PolicySpec
-from servers.connections import uvicorn_config
 from servers.router import create_router_app
-from tests.serving import BACKENDS, Server, client, free_port, metric, slow_steps, wait_for
+from tests.serving import BACKENDS, Server, client, free_port, in_thread, metric, slow_steps, wait_for
 
 
 class RouterServer:
     """The routing app on a loopback port in a thread, in front of `backends` (base URLs)."""
 
     def __init__(self, backends: list[str], policy: str = "round_robin", health_interval_s: float = 60.0):
-        self.port = free_port()
         app = create_router_app(backends, RouterSpec(policy), default_max_tokens=16,
                                 health_interval_s=health_interval_s)
-        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, max_connections=64,
-                                                    read_timeout_s=20, send_timeout_s=10, max_unread_bytes=262144,
-                                                    log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started, 30, "the router did not start within 30 s")
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.server, self.thread, self.url = in_thread(app)
 
     def __enter__(self):
         return self
