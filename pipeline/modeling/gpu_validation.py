@@ -53,6 +53,7 @@ COSTS = ("step_s", "allreduce_s")                                     # terms th
 def roofline(fig: dict, eff: dict | None = None) -> Roofline:
     """The roofline of a figure's run; `eff` (Efficiency's fields) replaces the calibrated terms."""
     roof = spec_roofline(config(fig["hardware"], fig["model"]), int(fig["gpus"]))
+    roof = dataclasses.replace(roof, kv_per_query_head=bool(fig.get("kv_per_query_head")))
     return dataclasses.replace(roof, eff=Efficiency(**eff)) if eff else roof
 
 

@@ -7,7 +7,9 @@ classes summed, plus a fixed cost per step. Its efficiency terms are the ones an
 engine has: the achieved fraction of the memory bandwidth, of the dense matrix rate, seconds per step spent outside
 both (launches, scheduling, sampling) and, split over devices, seconds per all-reduce besides its bytes. Tensor
 parallelism splits weights, K/V heads and FLOPs over `tp` devices and adds two all-reduces of the step's activations
-per layer over the interconnect (a ring: 2 (tp - 1) / tp of the bytes each way).
+per layer over the interconnect (a ring: 2 (tp - 1) / tp of the bytes each way). An engine whose decode attention
+kernel loads a K/V head once for each query head it serves (TensorRT-LLM's masked MHA before its XQA kernel) reads
+heads / kv_heads times the K/V of a decode row.
 
 Used wherever a step's time is computed and not measured: SimRunner takes a Roofline as its cost (step_time(plan)),
 so the real scheduler runs on a virtual clock at the speed of hardware this machine is not.
@@ -96,6 +98,7 @@ class Roofline:
     tp: int = 1               # devices a step is split over
     link: float = 0.0         # B/s each way between two devices (tp > 1)
     act_bytes: float = 2.0    # bytes per activation element crossing the interconnect
+    kv_per_query_head: bool = False  # decode attention loads each K/V head once per query head (no GQA sharing)
 
     def _roof(self, flops: float, moved: float) -> tuple[float, str]:
         compute = flops / (self.rate * self.eff.matrix)
@@ -112,7 +115,7 @@ class Roofline:
             tokens += k * n
             sampled += k * bool(sample)
             pairs += k * n * (past + (n + 1) / 2)  # causal query-key pairs per head and layer
-            kv += k * s.kv_elements(past + n)
+            kv += k * s.kv_elements(past + n) * (s.heads // s.kv_heads if self.kv_per_query_head and n == 1 else 1)
         out = {}
         if tokens:
             weights = s.layers * s.layer_params

@@ -6,7 +6,8 @@ Computed step times (never measured) of a model at a precision on a spec sheet o
   batch=B input_tokens=L output_tokens=O [token_budget=T]
                                     B requests admitted together and run to the end under continuous batching
                                     (chunked at T tokens a step if given), as `vllm bench latency` times a batch
-and `tp=N` splits the model over N devices. The batch's K/V lives in what their memory leaves after the weights (of
+and `tp=N` splits the model over N devices; `kv_per_query_head=true` times a decode attention kernel that loads a K/V
+head once for each query head it serves (TensorRT-LLM before v0.8's XQA kernel). The batch's K/V lives in what their memory leaves after the weights (of
 90 % of it, vLLM's default): requests that do not fit wait for others to finish. It prints each step's time, bytes,
 FLOPs and the roof that binds; --json prints one JSON object instead (with end_to_end_s and ttft_s for a batch)."""
 import dataclasses
@@ -19,7 +20,7 @@ from pipeline.modeling.batch import chunk_step, decode_step, run_batch
 from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 from pipeline.tools.args import run
 
-OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp"}
+OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp", "kv_per_query_head"}
 
 
 def _int(own: dict, key: str, default: int | None = None) -> int:
@@ -36,8 +37,12 @@ def _int(own: dict, key: str, default: int | None = None) -> int:
 def compute(own: dict, overrides: list[str]) -> dict:
     cfg = compose_config(overrides)
     roof = spec_roofline(cfg, _int(own, "tp") if "tp" in own else None)
+    apart = str(own.get("kv_per_query_head", "false")).lower()
+    if apart not in ("true", "false"):
+        raise SystemExit(f"steptime: kv_per_query_head={apart!r} must be true or false")
+    roof = dataclasses.replace(roof, kv_per_query_head=apart == "true")
     head = {"computed": True, "hardware": cfg.hardware.name, "model": cfg.model.name, "precision": cfg.precision.name,
-            "tp": roof.tp, "efficiency": dataclasses.asdict(roof.eff),
+            "tp": roof.tp, "kv_per_query_head": roof.kv_per_query_head, "efficiency": dataclasses.asdict(roof.eff),
             "calibrated_from": OmegaConf.to_container(cfg.hardware.efficiency.calibrated_from)}
     if "batch" in own:
         budget = _int(own, "token_budget") if "token_budget" in own else None
@@ -67,7 +72,8 @@ def show(out: dict) -> str:
     eff = out["efficiency"]
     lines = [f"computed: {out['model']} at {out['precision']} on {out['hardware']} x{out['tp']} (efficiency: "
              f"{eff['bandwidth']:.0%} of the bandwidth, {eff['matrix']:.0%} of the matrix rate, "
-             f"{eff['step_s'] * 1e3:g} ms a step; conf/hardware/{out['hardware']}.yaml names the runs they come from)"]
+             f"{eff['step_s'] * 1e3:g} ms a step; conf/hardware/{out['hardware']}.yaml names the runs they come from)"
+             + ("; decode attention loads K/V once per query head" if out["kv_per_query_head"] else "")]
     if "end_to_end_s" in out:
         lines.append(f"batch {out['batch']} x {out['input_tokens']} in, {out['output_tokens']} out: end to end "
                      f"{out['end_to_end_s'] * 1e3:.1f} ms, TTFT {out['ttft_s'] * 1e3:.1f} ms, TPOT "

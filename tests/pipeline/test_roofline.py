@@ -48,6 +48,15 @@ def test_tensor_parallelism_splits_weights_and_kv_and_adds_all_reduces():
     assert kv_tokens(one, 80) == 0 < kv_tokens(two, 80)  # 141 GB of weights: one 80 GB GPU holds none
 
 
+def test_a_decode_kernel_without_gqa_sharing_reads_each_kv_head_once_per_query_head():
+    """Llama 3.1 8B: 32 query heads over 8 K/V heads, so 4x the decode rows' K/V; a prompt chunk's stays as it was."""
+    shared = roof("a100-80g")
+    apart = dataclasses.replace(shared, kv_per_query_head=True)
+    assert apart.parts([(1, 4095, True, 8)])["attention"]["bytes"] == 4 * shared.parts([(1, 4095, True, 8)])[
+        "attention"]["bytes"]
+    assert apart.parts([(512, 0, True)]) == shared.parts([(512, 0, True)])
+
+
 def test_a_window_caps_the_kv_its_layers_read():
     cfg = OmegaConf.to_container(OmegaConf.load(CONF / "model" / "mistral-7b-shape.yaml").config)
     windowed, full = Shape.of(cfg), Shape.of({**cfg, "sliding_window": None})
