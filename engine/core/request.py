@@ -60,7 +60,7 @@ def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, ma
     """Raise RequestError, naming the field and the limit, for a request no engine of these limits would take."""
     if not isinstance(prompt, list) or not prompt:
         raise RequestError("prompt", "must be a non-empty list of token ids")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+    if not set(map(type, prompt)) <= {int} or min(prompt) < 0 or max(prompt) >= vocab_size:  # C loops: long prompts
         raise RequestError("prompt", f"token ids must be integers in [0, {vocab_size})")
     params.validate(vocab_size)
     total = len(prompt) + params.max_new_tokens
@@ -118,7 +118,9 @@ class Request:
     def tokens(self, start: int, end: int) -> list[int]:
         """The sequence (prompt + output) from position start to end."""
         n = len(self.prompt)
-        return self.prompt[start:end] + self.output[max(start - n, 0):max(end - n, 0)]
+        if start >= n:  # within the output (a decode row)
+            return self.output[start - n:end - n]
+        return self.prompt[start:end] if end <= n else self.prompt[start:] + self.output[:end - n]
 
     def next_tokens(self, limit: int) -> list[int]:
         """Up to `limit` tokens not yet computed: a prefill chunk, or the last sampled token."""

@@ -25,14 +25,16 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent / "csrc"
 BUILDING = "building-"  # a build folder's name: this, its process id, a random tail
 SOURCES = [HERE / f for f in ("ops.cpp", "native.cpp", "decode_attention.cpp", "token_attention.cpp", "q4_1.cpp",
-                              "q8_0.cpp", "q4_k.cpp", "q5_0.cpp", "q6_k.cpp", "bf16.cpp", "layer.cpp")]  # in parallel
+                              "q8_0.cpp", "q4_k.cpp", "q5_0.cpp", "q6_k.cpp", "bf16.cpp", "fp32.cpp",
+                              "layer.cpp")]  # in parallel
 AVX512 = ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
 BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (gguf_kernels.h) where the CPU has VNNI
           "AVX512": AVX512, "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
           "scalar": []}  # instruction-set build -> its compiler flags, best first (F16C: with every AVX2 CPU)
 PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles",
             "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm", "q4_k", "q5_0", "q6_k", "q4_k_tiles", "q5_0_tiles",
-            "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments")  # lab.layers' kinds (products.h), in order
+            "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments",
+            "fp32_tiles")  # lab.layers' kinds (products.h), in order
 TORCH_HEADERS = ("ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "ATen/ops/addmm.h", "ATen/ops/mm.h",
                  "torch/library.h")  # torch's headers the sources include: parsed once per build (a precompiled header)
 GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of gguf_blocks.h (ops.h's LAB_GGUF)
@@ -156,6 +158,8 @@ def _register_fakes() -> None:
     fake("lab::bf16_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
     fake("lab::bf16_tiles_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
     fake("lab::bf16_mm_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
+    fake("lab::fp32_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1]))
+    fake("lab::fp32_tiles_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n))
     fake("lab::q8_0_rows")(lambda w, ids: w.new_empty(ids.shape[0], w.shape[1] // 34 * 32, dtype=torch.float32))
 
 

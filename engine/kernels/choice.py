@@ -2,17 +2,19 @@
 per machine (CPU model and instruction sets, GPU, threads, torch, dtype, shape) so it is paid once.
 
 Candidates: `in_out` (x @ W, W stored [in, out]), `linear` (F.linear, W stored [out, in]) and, on fp32 CPUs, `packed`
-and `onednn` (MKL's and oneDNN's products on a weight laid out once in their own layouts: aten.py). A step of r rows
-uses the choice of the smallest bucket >= r (the last beyond it). Each candidate is timed over every matrix of the shape
-(all layers), as a step streams them from memory (past STREAMED rows, where a product is compute-bound, over a share of
-them, the time scaled), the fastest of REPEATS run back to back after one untimed run (a run can only be slowed; and the
-candidate before can slow the next one's first run several times: GGUF's whole-matrix GEMM frees hundreds of MB);
-measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes whose matrices together fit in
-a CPU's caches are not measured (their timings are noise) and keep `default`, as do devices without a clock (`meta`).
-The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`, `hold(candidates)` and `product(candidate,
-x)` (engine/model/layers/linear.py's Dense); a storage with kernels of its own names its `family` and `candidates`
-(GgufDense: the per-row block kernel, the dequantized tiles' and the GEMM's) and is measured whatever its size, grouped
-with its own family only (engine/model/weights.py's choose_kernels). The cache: $LAB_CACHE_DIR/kernels.json (default
+and `onednn` (MKL's and oneDNN's products on a weight laid out once in their own layouts: aten.py) and, where the
+native kernels run, `fp32_tiles` (the weight packed in tiles of 16 rows, summed by FMA: engine/kernels/csrc/fp32.cpp).
+A step of r rows uses the choice of the smallest bucket >= r (the last beyond it). Each candidate is timed over every
+matrix of the shape (all layers), as a step streams them from memory (past STREAMED rows, where a product is
+compute-bound, over a share of them, the time scaled), the fastest of REPEATS run back to back after one untimed run (a
+run can only be slowed; and the candidate before can slow the next one's first run several times: GGUF's whole-matrix
+GEMM frees hundreds of MB); measured again, a choice changes only for a candidate faster by more than MARGIN. Shapes
+whose matrices together fit in a CPU's caches are not measured (their timings are noise) and keep `default`, as do
+devices without a clock (`meta`). The matrices measured are any objects with `shape`, `dtype`, `weight_bytes`,
+`hold(candidates)`, `product(candidate, x)` and `ops` (the native kernels or None: engine/model/layers/linear.py's
+Dense); a storage with kernels of its own names its `family` and `candidates` (GgufDense: the per-row block kernel,
+the dequantized tiles' and the GEMM's) and is measured whatever its size, grouped with its own family only
+(engine/model/weights.py's choose_kernels). The cache: $LAB_CACHE_DIR/kernels.json (default
 ~/.cache/llm-batching-lab); delete it to measure again."""
 import hashlib
 import json
@@ -33,8 +35,8 @@ STREAMED = 64  # rows up to which a product streams its weights; beyond, compute
 REPEATS = 3  # timed runs per candidate (after one untimed): the fastest kept
 MARGIN = 0.05  # measured again, a cached choice stays unless another candidate is faster by more than this
 SMALL_BYTES = 16 * 2**20  # a shape's matrices, all layers together, below this keep `default`
-PRODUCTS = ("in_out", "linear", "packed", "onednn")  # every candidate, where it runs (candidates)
-OPAQUE = ("packed", "onednn")  # candidates whose layout the weight's values cannot be read back from
+PRODUCTS = ("in_out", "linear", "packed", "onednn", "fp32_tiles")  # every candidate, where it runs (candidates)
+OPAQUE = ("packed", "onednn", "fp32_tiles")  # candidates whose layout the weight's values cannot be read back from
 
 
 def cache_path() -> Path:
@@ -49,8 +51,10 @@ def has_onednn(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    runs = {"packed": has_packed(device, dtype), "onednn": has_onednn(device, dtype)}
+def candidates(device: torch.device, dtype: torch.dtype, native: bool = False) -> tuple[str, ...]:
+    """The candidates that run here (native: the storage holds the native kernels)."""
+    runs = {"packed": has_packed(device, dtype), "onednn": has_onednn(device, dtype),
+            "fp32_tiles": native and device.type == "cpu" and dtype == torch.float32}
     return tuple(k for k in PRODUCTS if runs.get(k, True))
 
 
@@ -156,8 +160,9 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
     out, changed = {}, False
     for shape, mats in groups.items():
         family = getattr(mats[0], "family", None)  # a storage with kernels of its own (GGUF blocks): always measured
-        runs = mats[0].candidates if family else candidates(device, dtype)
-        entry = f"{key}/{family + '/' if family else ''}{shape[0]}x{shape[1]}"
+        native = getattr(mats[0], "ops", None) is not None  # a Dense that holds the native kernels
+        runs = mats[0].candidates if family else candidates(device, dtype, native)
+        entry = f"{key}/{family + '/' if family else 'native/' if native else ''}{shape[0]}x{shape[1]}"
         small = family is None and sum(m.weight_bytes for m in mats) < SMALL_BYTES
         if device.type not in ("cpu", "cuda") or small and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}

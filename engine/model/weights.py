@@ -103,7 +103,8 @@ def build_layers(net, hf_model, q_scale: float, gguf=None, take: bool = False) -
     into the q rows (`scales`); gguf: the GGUF file's path (weights "gguf": the head is the tied embedding's blocks)."""
     m, ops = hf_model.model, net.ops
     blocks = gguf_layers(gguf, hf_model.config, net.gguf_permuted) if net.weights == "gguf" else None
-    make = {"model": Dense, "bf16": lambda w, b=None: Bf16Dense(w, b, ops)}.get(net.weights)
+    make = {"model": lambda w, b=None: Dense(w, b, ops),
+            "bf16": lambda w, b=None: Bf16Dense(w, b, ops)}.get(net.weights)
     lm_head = make(hf_model.lm_head.weight) if make else GgufDense(*blocks[0]["embed"], ops)
     if take and hf_model.lm_head.weight is not m.embed_tokens.weight:
         _release([hf_model.lm_head])
@@ -137,8 +138,9 @@ def choose_kernels(products: list, kernel: str | None, remeasure: bool, device: 
         family = getattr(d, "family", None)  # a storage's own kernels (GGUF format): a group of their own
         groups.setdefault((*d.shape, family) if family else tuple(d.shape), []).append(d)
     if kernel is not None:
-        if kernel not in choice.candidates(device, dtype):
-            raise ValueError(f"kernel {kernel!r} does not run here; choose from {choice.candidates(device, dtype)}")
+        runs = choice.candidates(device, dtype, getattr(products[0], "ops", None) is not None)
+        if kernel not in runs:
+            raise ValueError(f"kernel {kernel!r} does not run here; choose from {runs}")
         chosen = {shape: {"choice": [kernel] * len(choice.BUCKETS), "ms": None} for shape in groups}
     else:
         with torch.no_grad():

@@ -8,8 +8,8 @@ all `threads`, on each workload; the fleet simulator (pipeline.modeling.fleet) p
   run's token ids are shifted by its index (modulo the vocabulary): the same lengths and shared prefixes, none found
   in a prefix cache an earlier run filled. A request's `user` is its conversation (its id where it has none).
 - Cost models: fitted in this process to the engine's own steps at each thread count (closed-loop replays of the
-  first `calibrate` requests of each workload at max_running, after one unrecorded); the simulator runs the same
-  engine policy, paged pool and router on them.
+  first `calibrate` requests of each workload at max_running, after an unrecorded one of WARM_UP requests); the
+  simulator runs the same engine policy, paged pool and router on them.
 - The router's own cost: TTFT at c = 1 straight to a replica and through the router, request by request in turn: the
   median over pairs of the one through the router over the other.
 Every server dies with this process (engine.children)."""
@@ -45,6 +45,7 @@ from pipeline.workloads.generate import build
 KEPT = ("requests", "complete", "wall_s", "throughput_tps", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "slo_met")
 SHIFT = 7919  # token ids added per run (a prime), modulo the vocabulary
 OVERHEAD_TOKENS = 64  # prompt tokens of the router's cost check (a chat turn)
+WARM_UP = 2  # requests replayed unrecorded before the cost models' replays at a thread count
 
 
 def composed(base, workload: str, spec):
@@ -62,10 +63,10 @@ def calibrated(net, cfgs: dict, wls: dict, n: int, threads_: int, limits) -> tup
     steps = []
     for i, (name, wl) in enumerate(wls.items()):
         cfg = cfgs[name]
-        for _ in range(2 if i == 0 else 1):  # the first at this thread count twice: the first run pays for set-up
+        for head in ([WARM_UP, n] if i == 0 else [n]):  # the first run at this thread count pays for set-up
             engine = build_engine(net, policy_spec(cfg.policy), int(cfg.max_request_tokens), eos_ids=eos_ids(net),
                                   kv=kv_spec(cfg.kv))
-            got = replay(engine, wl.head(n), 0.0, int(cfg.policy.max_running))[1]
+            got = replay(engine, wl.head(head), 0.0, int(cfg.policy.max_running))[1]
         steps.append(got)
     model, stats = fit(pd.concat(steps, ignore_index=True))
     return model, {"threads": threads_, "steps": stats["steps"], "median_rel_error": stats["median_rel_error"],
@@ -199,14 +200,14 @@ class Bench:
                 cost = overhead(self.base.model.name, urls[0], routed, prompts, self.spec)
             finally:
                 stop(*procs)
-            for w in self.wls:
-                for policy in POLICIES:
-                    procs, (routed,) = started([router_args(policy, urls, self.pool_tokens, seed)],
-                                                 [f"router {policy}"])
-                    try:
+            for w in self.wls:  # a fresh router of each policy per workload, all started together
+                procs, routers = started([router_args(p, urls, self.pool_tokens, seed) for p in POLICIES],
+                                         [f"router {p}" for p in POLICIES])
+                try:
+                    for policy, routed in zip(POLICIES, routers):
                         rows.append(self.run(routed, w, policy, urls, [p.pid for p in fleet + procs]))
-                    finally:
-                        stop(*procs)
+                finally:
+                    stop(*procs)
         finally:
             stop(*fleet)
         return rows, cost

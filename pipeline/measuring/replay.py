@@ -5,6 +5,7 @@ instead of sleeping through it: every step runs and is timed as it would, and no
 import hashlib
 from dataclasses import fields
 
+import numpy as np
 import pandas as pd
 
 from engine import SamplingParams
@@ -64,7 +65,7 @@ def replay(engine: LLMEngine, workload: pd.DataFrame, step_s: float, concurrency
         now = engine.now()
         while nxt < len(rows) and rows[nxt]["arrival_s"] is not None and rows[nxt]["arrival_s"] <= now:
             r = rows[nxt]
-            reqs[r["rid"]] = engine.add_request(r["rid"], [int(t) for t in r["prompt"]],
+            reqs[r["rid"]] = engine.add_request(r["rid"], np.asarray(r["prompt"]).tolist(),
                                                 SamplingParams(max_new_tokens=int(r["output_tokens"]), ignore_eos=True),
                                                 arrival=r["arrival_s"])
             nxt += 1

@@ -211,7 +211,7 @@ def main_step_s(root=ROOT) -> float:
     main = root / "data" / "results" / "engine" / "main.json"
     if not main.exists():
         raise SystemExit(f"{main.relative_to(root)} is missing: the SLOs are multiples of the main replay's step; "
-                         "run `dvc repro bench_server` (it runs bench_engine@main first)")
+                         "run `dvc repro bench_server` (it runs bench_engine first)")
     return json.loads(main.read_text())["rows"][0]["step_s"]
 
 

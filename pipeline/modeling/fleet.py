@@ -12,6 +12,7 @@ import heapq
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 
 from engine import SamplingParams
@@ -91,7 +92,7 @@ def simulate_fleet(cost, policy, workload: pd.DataFrame, unit_s: float, max_requ
         if not events:
             break
         t, _, rid, handed = heapq.heappop(events)
-        prompt = [int(x) for x in prompts[rid]]
+        prompt = np.asarray(prompts[rid]).tolist()  # python ints
         if handed is None:
             to = routers[0].route(rid, prompt, 1 if split else wanted[rid], talks[rid])
             new = first

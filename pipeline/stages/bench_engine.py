@@ -1,4 +1,5 @@
-"""Stage bench_engine: each run of a table replayed through the engine on the wall clock (data/results/engine/:
+"""Stage bench_engine: every table of `tables` (or the tables named on the command line) in one process, each run of
+a table replayed through the engine on the wall clock (data/results/engine/:
 <table>.json summary rows with config and machine, <table>.parquet requests, <table>_steps.parquet steps). A run at
 another precision level than the configured one (a table point's `precision`) runs on the engine at that level, loaded
 once; each row names its level."""

@@ -31,7 +31,7 @@ from pipeline.measuring.fingerprint import environment
 from pipeline.results import write_json
 from pipeline.tools.scratch import SMALL, copy_env, scratch_copy, sh
 
-STAGES = ["prepare_model", "probe_hardware", "bench_engine@main", "bench_server", "report"]
+STAGES = ["prepare_model", "probe_hardware", "bench_engine", "bench_server", "report"]
 PNG_END = b"IEND\xaeB`\x82"  # a PNG's last chunk
 
 
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--stages", nargs="+", default=STAGES)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--full-disk", nargs="*", default=["report", "bench_engine@main"],
+    p.add_argument("--full-disk", nargs="*", default=["report", "bench_engine"],
                    help="stages run again on a full disk (where this machine lets a user mount a filesystem)")
     p.add_argument("--out", default=str(ROOT / "reports" / "crash.json"))
     a = p.parse_args(argv)

@@ -7,9 +7,10 @@ Computed step times (never measured) of a model at a precision on a spec sheet o
                                     B requests admitted together and run to the end under continuous batching
                                     (chunked at T tokens a step if given), as `vllm bench latency` times a batch
 and `tp=N` splits the model over N devices; `kv_per_query_head=true` times a decode attention kernel that loads a K/V
-head once for each query head it serves (TensorRT-LLM before v0.8's XQA kernel). The batch's K/V lives in what their memory leaves after the weights (of
-90 % of it, vLLM's default): requests that do not fit wait for others to finish. It prints each step's time, bytes,
-FLOPs and the roof that binds; --json prints one JSON object instead (with end_to_end_s and ttft_s for a batch)."""
+head once for each query head it serves (TensorRT-LLM before v0.8's XQA kernel). The batch's K/V lives in what their
+memory leaves after the weights (of 90 % of it, vLLM's default): requests that do not fit wait for others to finish.
+It prints each step's time, bytes, FLOPs and the roof that binds; --json prints one JSON object instead (with
+end_to_end_s and ttft_s for a batch)."""
 import dataclasses
 import sys
 
@@ -20,7 +21,8 @@ from pipeline.modeling.batch import chunk_step, decode_step, run_batch
 from pipeline.modeling.machines import fewest_devices, kv_tokens, spec_roofline
 from pipeline.tools.args import run
 
-OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp", "kv_per_query_head"}
+OWN = {"decode", "context", "chunks", "batch", "input_tokens", "output_tokens", "token_budget", "tp",
+       "kv_per_query_head"}
 
 
 def _int(own: dict, key: str, default: int | None = None) -> int:

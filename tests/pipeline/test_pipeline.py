@@ -13,8 +13,8 @@ REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_
            "hardware.json", "machine.json", "plots/engine_throughput_vs_ttft.png", "plots/throughput_vs_ttft.png",
            "plots/prefill_stall.png", "plots/kv_memory.png", "plots/shared_prefix.png", "fleet/FLEET.md",
            "fleet/plots/gpus_vs_rate.png"]
-MEASURED = ["probe_hardware", "check_equivalence", "engine_speed", "bench_engine@main", "bench_engine@all_policies",
-            "bench_cache", "bench_server"]  # stages that measure: each depends on reports/machine.json
+MEASURED = ["probe_hardware", "check_equivalence", "engine_speed", "bench_engine", "bench_cache",
+            "bench_server"]  # stages that measure: each depends on reports/machine.json
 
 
 def ran(out: str) -> set[str]:

@@ -80,6 +80,10 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
       NAMED("bf16_mm_linear");
       return bf16_mm_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
     }
+    case FP32_TILES: {  // aux: the number of outputs, a 0-dim int64 tensor
+      NAMED("fp32_tiles_linear");
+      return fp32_tiles_linear(x, w, *aux->const_data_ptr<int64_t>(), bias, residual);
+    }
     case SEGMENTS: {  // w: the parts' packed blocks one after another, flat; aux [parts, 3] int64: each part's kind,
                       // outputs and bytes; each part's product gives its columns of y
       const auto t = aux->accessor<int64_t, 2>();

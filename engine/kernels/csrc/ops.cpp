@@ -45,6 +45,8 @@ TORCH_LIBRARY(lab, m) {
   m.def("bf16_tiles_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");  // same sums
   m.def("bf16_rms_norm(Tensor x, Tensor w, float eps) -> Tensor");  // rms_norm and silu_mul rounded to bf16
   m.def("bf16_silu_mul(Tensor gu) -> Tensor");
+  m.def("fp32_pack(Tensor w) -> Tensor");
+  m.def("fp32_tiles_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("layers(Tensor x, Tensor?[] weights, int[] kinds, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, Tensor rows, Tensor? spans, Tensor? key_rows, Tensor? bias, int seats, int length, "
         "int heads, float eps, float scale) -> Tensor");
@@ -73,6 +75,8 @@ TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl("bf16_tiles_linear", bf16_tiles_linear);
   m.impl("bf16_rms_norm", bf16_rms_norm);
   m.impl("bf16_silu_mul", bf16_silu_mul);
+  m.impl("fp32_pack", fp32_pack);
+  m.impl("fp32_tiles_linear", fp32_tiles_linear);
   m.impl("layers", layers);
 }
 

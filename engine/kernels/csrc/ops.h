@@ -46,6 +46,11 @@ at::Tensor bf16_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor bf16_silu_mul(const at::Tensor& gu);
 bool bf16_native();  // the bf16 products run here (built for AVX-512, on a CPU with AVX512-BF16)
 
+// fp32.cpp: fp32 products on weights packed in tiles
+at::Tensor fp32_pack(const at::Tensor& w);
+at::Tensor fp32_tiles_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias,
+                             const Opt& residual);
+
 // layer.cpp: every decoder layer of a step
 at::Tensor layers(const at::Tensor& x, const std::vector<Opt>& weights, at::IntArrayRef kinds, const at::Tensor& cos,
                   const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& rows,

@@ -5,7 +5,7 @@
 native lab.layers call takes for it, engine/kernels/build.py).
 
 Dense: the model's own values in its dtype, through the product chosen for each row bucket (engine/kernels/choice.py),
-  holding only the layouts those products read.
+  holding only the layouts those products read (ATen's, MKL's, oneDNN's; the native fp32 tiles where they run).
 Bf16Dense: bf16 weights; activations rounded to bf16, products summed in fp32 (engine/kernels/csrc/bf16.cpp: vdpbf16ps
   on AVX512-BF16, elsewhere the pairs widened to fp32 and summed with FMA; or tiles widened into cache: the same sums),
   the kernel chosen per row bucket.
@@ -54,12 +54,13 @@ class Dense(Linear):
     """A weight [out, in] in the model's dtype, through the product chosen for the step's row count (`products`, one
     candidate per row bucket); only the layouts those candidates read are held."""
 
-    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, w_out_in: torch.Tensor, bias: torch.Tensor | None = None, ops=None):
         self.w_out_in = w_out_in.detach().contiguous()  # [out, in]: what `linear` reads
         self.bias = None if bias is None else bias.detach()
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
-        self.dtype, self.device = w_out_in.dtype, w_out_in.device
-        self.w = self.packed = self.dnn = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's for `onednn`
+        self.dtype, self.device, self.ops = w_out_in.dtype, w_out_in.device, ops  # ops: the native kernels or None
+        self.w = self.packed = self.dnn = self.tiles = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's
+        self.n = torch.tensor(w_out_in.shape[0])  # for `onednn`; fp32_pack's for `fp32_tiles`, of n outputs
         self.size = self.w_out_in  # a tensor of shape [out, in]: where the packed products read their sizes
         self.products = default(self.device, self.dtype)
 
@@ -69,7 +70,7 @@ class Dense(Linear):
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.w_out_in, self.w, self.packed, self.dnn, self.bias) if t is not None]
+        return [t for t in (self.w_out_in, self.w, self.packed, self.dnn, self.tiles, self.bias) if t is not None]
 
     @property
     def arithmetic(self) -> str:
@@ -77,8 +78,10 @@ class Dense(Linear):
 
     def lab_args(self, bucket: int) -> tuple:
         name = self.products[bucket]
-        weight = {"in_out": self.w, "linear": self.w_out_in, "packed": self.packed, "onednn": self.dnn}[name]
-        return build.PRODUCTS.index(name), weight, self.size if name == "packed" else None, self.bias
+        weight = {"in_out": self.w, "linear": self.w_out_in, "packed": self.packed, "onednn": self.dnn,
+                  "fp32_tiles": self.tiles}[name]
+        aux = {"packed": self.size, "fp32_tiles": self.n}.get(name)
+        return build.PRODUCTS.index(name), weight, aux, self.bias
 
     def hold(self, products) -> None:
         """Make the layouts the candidates `products` read and drop the others (the values come from an [out, in] or
@@ -92,11 +95,14 @@ class Dense(Linear):
             self.packed = aten.pack(src)
         if "onednn" in products and self.dnn is None:
             self.dnn = aten.reorder(src)
+        if "fp32_tiles" in products and self.tiles is None:
+            self.tiles = self.ops.fp32_pack(src)
         if "linear" in products and self.w_out_in is None:
             self.w_out_in = src.contiguous()
         self.w = self.w if "in_out" in products else None
         self.packed = self.packed if "packed" in products else None
         self.dnn = self.dnn if "onednn" in products else None
+        self.tiles = self.tiles if "fp32_tiles" in products else None
         self.w_out_in = self.w_out_in if "linear" in products else None
         self.size = self.w_out_in if self.w_out_in is not None else self.size.new_zeros(1).expand(self.size.shape)
 
@@ -105,6 +111,8 @@ class Dense(Linear):
             return aten.packed_linear(x, self.packed, self.size, self.bias, residual)
         if name == "onednn":
             return aten.onednn_linear(x, self.dnn, self.size, self.bias, residual)
+        if name == "fp32_tiles":
+            return self.ops.fp32_tiles_linear(x, self.tiles, self.shape[1], self.bias, residual)
         w = self.w if name == "in_out" else self.w_out_in.t()
         if self.bias is None:
             return x @ w if residual is None else torch.addmm(residual, x, w)

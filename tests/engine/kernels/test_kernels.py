@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.factory import build_net
+from engine.kernels import build
 from engine.kernels import choice as kernels
 from engine.model.compiled import keep_inductor_cache
 from engine.model.hf import generate_alone
@@ -16,7 +17,7 @@ from pipeline.config import compose_config
 from pipeline.measuring.equivalence import ARRIVE, LENS, run_scenario, scenario_prompts
 from pipeline.measuring.hardware import kernel_table
 
-CPU = kernels.candidates(torch.device("cpu"), torch.float32)
+CPU = kernels.candidates(torch.device("cpu"), torch.float32, build.ops() is not None)  # the native fp32 tiles too
 POLICIES = [PolicySpec.of("continuous", 3), PolicySpec.of("chunked", 3, token_budget=16)]
 
 

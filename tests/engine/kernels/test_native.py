@@ -1,6 +1,6 @@
-"""The fused fp32 CPU kernels (engine/kernels/csrc/native.cpp; attention's: test_attention.py): each equals the ATen
-operators it replaces, the build says what it runs, the library is built once per machine, and a failed build leaves
-the steps on ATen's operators."""
+"""The fused fp32 CPU kernels (engine/kernels/csrc/native.cpp, fp32.cpp; attention's: test_attention.py): each equals
+the ATen operators it replaces, the build says what it runs, the library is built once per machine, and a failed build
+leaves the steps on ATen's operators."""
 import logging
 import os
 import shutil
@@ -79,6 +79,21 @@ def test_rotary_equals_the_swapped_halves_form(d):
 
 
 @needs_lab
+@needs_lab
+@pytest.mark.parametrize("n, k", [(40, 24), (16, 576), (7, 5)])  # whole tiles, tails of rows and of inputs
+def test_fp32_tiles_equal_aten_and_each_row_is_summed_alone(n, k):
+    """The fp32 tile product: x W^T + bias + residual as ATen gives it (strided rows of x too); a row's outputs are
+    the same bits whatever rows are beside it."""
+    torch.manual_seed(0)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(9, 2 * k)[:, :k]  # x: rows 2k apart
+    res, tiles = torch.randn(9, n), lab.fp32_pack(w)
+    assert torch.allclose(lab.fp32_tiles_linear(x, tiles, n, b, res), torch.addmm(b, x, w.t()) + res, atol=1e-4)
+    assert torch.equal(lab.fp32_tiles_linear(x[4:5], tiles, n, None, None),
+                       lab.fp32_tiles_linear(x, tiles, n, None, None)[4:5])
+    with pytest.raises(RuntimeError, match="packed by fp32_pack"):
+        lab.fp32_tiles_linear(x, tiles[:-1], n, None, None)
+
+
 def test_kernels_refuse_what_they_do_not_compute():
     with pytest.raises(RuntimeError, match="float32 CPU"):
         lab.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-5)
