@@ -121,6 +121,7 @@ def validate() -> dict:
         value = computed(fig, roofline(fig))
         rows.append({**{k: fig[k] for k in ("id", "source", "engine", "hardware", "gpus", "published_model", "model",
                                             "precision", "batch", "input_tokens", "output_tokens", "metric")},
+                     "kv_per_query_head": bool(fig.get("kv_per_query_head")),
                      "published": fig["value"], "computed": value, "rel_error": value / fig["value"] - 1,
                      "calibration": fig["id"] in calibration, "excluded": fig.get("excluded")})
     counted = [r for r in rows if not r["calibration"] and not r["excluded"]]

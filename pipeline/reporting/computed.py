@@ -142,7 +142,8 @@ def validation_report(v: dict) -> str:
 
     def mark(r: dict) -> str:
         return " (calibration)" if r["calibration"] else (f" (not counted: {r['excluded']})" if r["excluded"] else "")
-    body = [[r["id"], r["engine"], r["published_model"], r["batch"], r["input_tokens"], r["output_tokens"],
+    body = [[r["id"], r["engine"] + (" (decode K/V read once per query head)" if r["kv_per_query_head"] else ""),
+             r["published_model"], r["batch"], r["input_tokens"], r["output_tokens"],
              r["metric"], f"{r['published']:.4g}", f"{r['computed']:.4g}", f"{r['rel_error']:+.1%}" + mark(r)]
             for r in v["figures"]]
     eff = [[h, e["label"], fmt(e["efficiency"]["bandwidth"]), fmt(e["efficiency"]["matrix"]),
@@ -153,8 +154,9 @@ def validation_report(v: dict) -> str:
         "# Computed step times against published GPU runs",
         "Each published run (data/published/gpu_runs.yaml: source, engine and version, GPU, model, shapes) computed "
         "by the lab's scheduler on a virtual clock at its GPU's spec sheet (conf/hardware/), in its model's exact "
-        "shape, at 16-bit weights and K/V. The computed column is computed; the published one is the source's "
-        "measurement.",
+        "shape, at 16-bit weights and K/V; where the engine's decode attention loads a K/V head once for each query "
+        "head it serves (TensorRT-LLM before its XQA kernel, v0.8), its decode rows read that many times their K/V. "
+        "The computed column is computed; the published one is the source's measurement.",
         f"**{st['figures']} runs from {st['sources']} sources, calibration runs and excluded runs not counted: median "
         f"|relative error| {st['median_abs_rel_error']:.1%}, largest {st['max_abs_rel_error']:.1%}, "
         f"{st['over_35_percent']} above 35 %.** Of them {st['figures_from_sources_not_calibrating']} come from "
