@@ -59,8 +59,8 @@ class Dense(Linear):
         self.bias = None if bias is None else bias.detach()
         self.shape = torch.Size(w_out_in.shape[::-1])  # (in, out)
         self.dtype, self.device, self.ops = w_out_in.dtype, w_out_in.device, ops  # ops: the native kernels or None
-        self.w = self.packed = self.dnn = self.tiles = None  # [in, out] for `in_out`; MKL's for `packed`; oneDNN's
-        self.n = torch.tensor(w_out_in.shape[0])  # for `onednn`; fp32_pack's for `fp32_tiles`, of n outputs
+        self.w = self.packed = self.dnn = self.tiles = None  # layouts: in_out's [in, out], MKL's, oneDNN's, fp32_pack's
+        self.n = torch.tensor(w_out_in.shape[0])  # outputs, as lab.layers reads them for `fp32_tiles`
         self.size = self.w_out_in  # a tensor of shape [out, in]: where the packed products read their sizes
         self.products = default(self.device, self.dtype)
 
