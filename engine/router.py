@@ -90,7 +90,7 @@ class Router:
     def _choose(self, chains: list[int], length: int, session: str | None, live: list[int]) -> int:
         p = self.spec.policy
         if p == "round_robin":
-            to = next(i % self.n for i in range(self._turn, self._turn + self.n) if i % self.n in live)
+            to = min(live, key=lambda i: (i - self._turn) % self.n)  # the next live one from the turn on
             self._turn = to + 1
             return to
         if p == "power_of_two" and len(live) > 1:

@@ -58,6 +58,13 @@ def candidates(device: torch.device, dtype: torch.dtype, native: bool = False) -
     return tuple(k for k in PRODUCTS if runs.get(k, True))
 
 
+def candidates_of(mat, device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """A storage's candidates: its own family's, else those that run here (the native ones where it holds them)."""
+    if getattr(mat, "family", None):
+        return mat.candidates
+    return candidates(device, dtype, getattr(mat, "ops", None) is not None)
+
+
 def default(device: torch.device, dtype: torch.dtype) -> list[str]:
     """Per bucket, the choice for unmeasured shapes: `in_out` at one row; beyond, `packed` where MKL runs, else
     `in_out`."""
@@ -160,8 +167,8 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
     out, changed = {}, False
     for shape, mats in groups.items():
         family = getattr(mats[0], "family", None)  # a storage with kernels of its own (GGUF blocks): always measured
-        native = getattr(mats[0], "ops", None) is not None  # a Dense that holds the native kernels
-        runs = mats[0].candidates if family else candidates(device, dtype, native)
+        runs = candidates_of(mats[0], device, dtype)
+        native = "fp32_tiles" in runs  # a Dense that holds the native kernels: its own entry
         entry = f"{key}/{family + '/' if family else 'native/' if native else ''}{shape[0]}x{shape[1]}"
         small = family is None and sum(m.weight_bytes for m in mats) < SMALL_BYTES
         if device.type not in ("cpu", "cuda") or small and not remeasure:

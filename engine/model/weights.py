@@ -138,7 +138,8 @@ def choose_kernels(products: list, kernel: str | None, remeasure: bool, device: 
         family = getattr(d, "family", None)  # a storage's own kernels (GGUF format): a group of their own
         groups.setdefault((*d.shape, family) if family else tuple(d.shape), []).append(d)
     if kernel is not None:
-        runs = choice.candidates(device, dtype, getattr(products[0], "ops", None) is not None)
+        each = [choice.candidates_of(mats[0], device, dtype) for mats in groups.values()]
+        runs = [k for k in each[0] if all(k in c for c in each)]  # what every product runs
         if kernel not in runs:
             raise ValueError(f"kernel {kernel!r} does not run here; choose from {runs}")
         chosen = {shape: {"choice": [kernel] * len(choice.BUCKETS), "ms": None} for shape in groups}

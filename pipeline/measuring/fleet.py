@@ -14,7 +14,6 @@ all `threads`, on each workload; the fleet simulator (pipeline.modeling.fleet) p
   median over pairs of the one through the router over the other.
 Every server dies with this process (engine.children)."""
 import asyncio
-import os
 import statistics
 import time
 
@@ -35,7 +34,7 @@ from pipeline.measuring.disturbance import Watch
 from pipeline.measuring.loadgen import body_for, finish, one, open_loop, session
 from pipeline.measuring.metrics import slo_limits, summarize
 from pipeline.measuring.replay import replay
-from pipeline.measuring.servers import main_step_s, serve_all, stop
+from pipeline.measuring.servers import main_step_s, serve_all, stop, unkeyed
 from pipeline.modeling.cost_fit import fit
 from pipeline.modeling.fleet import simulate_fleet
 from pipeline.modeling.planner import unit_s
@@ -92,7 +91,7 @@ def counter(url: str, name: str) -> float:
 
 def started(overrides: list[list[str]], names: list[str]) -> tuple[list, list[str]]:
     """Lab servers started together (serve_all), none asking for an API key: (processes, base URLs)."""
-    procs, ports = serve_all(overrides, names, {**os.environ, "LAB_API_KEY": ""})
+    procs, ports = serve_all(overrides, names, unkeyed())
     return procs, [f"http://127.0.0.1:{p}" for p in ports]
 
 

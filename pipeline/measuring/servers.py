@@ -31,18 +31,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cfg, run, port: int, max_request_tokens: int) -> subprocess.Popen:
-    """The run's server on `port`, once it answers; an engine server at the run's `precision` (default: cfg's)."""
+def unkeyed() -> dict:
+    """This process's environment without LAB_API_KEY: a server a bench starts asks for no key."""
+    return {**os.environ, "LAB_API_KEY": ""}
+
+
+def start(cfg, run, max_request_tokens: int) -> tuple[subprocess.Popen, int]:
+    """The run's server on a free port, once it answers, and the port; an engine server at the run's `precision`
+    (default: cfg's)."""
     level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else cfg.precision.name
-    args = [sys.executable, "-m", "servers", f"model={cfg.model.name}", f"precision={level}",
-            f"isa={cfg.isa.name}", f"server={run.server}", f"port={port}",
+    args = [f"model={cfg.model.name}", f"precision={level}", f"isa={cfg.isa.name}", f"server={run.server}",
             f"server.max_request_tokens={max_request_tokens}", "server.max_waiting=4096",
             "server.max_queue_wait_s=inf",  # closed loops measure queueing: admit everyone
             f"threads={cfg.threads}", f"seed={cfg.seed}",
             *([f"policy={run.policy}", f"policy.max_running={run.max_running}"] if run.server == "engine" else []),
             *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}"
               for k, v in (run.get("knobs") or {}).items()]]
-    return wait_ready(running(args, cwd=ROOT, env={**os.environ, "LAB_API_KEY": ""}), port, run.name)
+    (proc,), (port,) = serve_all([args], [run.name], unkeyed())
+    return proc, port
 
 
 def serve(overrides: list[str], name: str) -> tuple[subprocess.Popen, int]:
@@ -168,8 +174,7 @@ def open_loop_run(cfg, table: str, timeout_s: float) -> tuple[dict, pd.DataFrame
     run = OmegaConf.create({"name": f"{cfg.policy.name} (open loop)", "server": "engine", "policy": cfg.policy.name,
                             "max_running": cfg.policy.max_running,
                             "knobs": {k: v for k, v in cfg.policy.items() if k not in ("name", "max_running")}})
-    port = free_port()
-    proc = start(cfg, run, port, int(cfg.max_request_tokens))
+    proc, port = start(cfg, run, int(cfg.max_request_tokens))
     try:
         reqs = [(list(map(int, p)), int(n)) for p, n in zip(wl["prompt"], wl["output_tokens"])]
         arrivals = (wl["arrival_steps"] * replayed["step_s"]).tolist()
@@ -235,8 +240,7 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
         if why:
             print(f"{run.name}: not run here: {why}", flush=True)
             continue
-        port = free_port()
-        proc = start(cfg, run, port, max_request_tokens)
+        proc, port = start(cfg, run, max_request_tokens)
         reap(ending)
         ending = [proc]
         try:

@@ -13,7 +13,7 @@ from engine import threads
 from pipeline.config import ROOT, build_net, compose_config, load_source
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.fingerprint import environment
-from pipeline.measuring.servers import free_port, measure, requests_for, start, stop
+from pipeline.measuring.servers import measure, requests_for, start, stop
 from pipeline.params import load
 from pipeline.results import write_json, write_text
 from pipeline.tools.peers import llama_cpp, openvino, vllm
@@ -55,8 +55,7 @@ def lab_servers(cfg, names: list[str], load_args: tuple) -> list[dict]:
     for name in names:
         level = OmegaConf.create(OmegaConf.to_container(cfg))  # the run's config with this level's precision
         level.precision = compose_config([f"model={cfg.model.name}", f"precision={name}"]).precision
-        port = free_port()
-        proc = start(level, run, port, int(p.ctx_per_slot))
+        proc, port = start(level, run, int(p.ctx_per_slot))
         try:
             got, _ = measure(f"http://127.0.0.1:{port}/v1", cfg.model.name, SERVER, *load_args, server_pids(proc))
         finally:
