@@ -13,10 +13,10 @@ pytestmark = pytest.mark.slow  # subprocesses that import the lab: seconds each
 ROOT = Path(__file__).resolve().parents[2]
 SPIN = "from pipeline.tools.neighbour import spin\nspin()\n"
 SERVER = ("from omegaconf import OmegaConf\nfrom pipeline.config import compose_config\n"
-          "from pipeline.measuring.servers import free_port, start\n"
+          "from pipeline.measuring.servers import start\n"
           "cfg = compose_config(['model=tiny-chat', 'threads=1'])\n"
           "run = OmegaConf.create({'name': 'engine', 'server': 'engine', 'policy': 'continuous', 'max_running': 2})\n"
-          "start(cfg, run, free_port(), 256)\n")
+          "start(cfg, run, 256)\n")
 
 
 def descendants(pid: int) -> set[int]:

@@ -64,10 +64,10 @@ def test_an_engine_server_starts_at_its_runs_level(monkeypatch):
     cfg = compose_config([])
     run = OmegaConf.create({"name": "e", "server": "engine", "policy": "continuous", "max_running": 4,
                             "precision": "w4"})
-    assert "precision=w4" in bench.start(cfg, run, 1, 64)
-    assert "precision=fp32" in bench.start(cfg, OmegaConf.create({**run, "precision": None}), 1, 64)
+    assert "precision=w4" in bench.start(cfg, run, 64)[0]
+    assert "precision=fp32" in bench.start(cfg, OmegaConf.create({**run, "precision": None}), 64)[0]
     hf = OmegaConf.create({"name": "h", "server": "naive"})
-    assert "precision=fp32" in bench.start(cfg, hf, 1, 64)
+    assert "precision=fp32" in bench.start(cfg, hf, 64)[0]
 
 
 def steps_of(cost: CostModel, n: int, rng) -> pd.DataFrame:
