@@ -15,14 +15,18 @@ from engine.specs import KVSpec, PolicySpec
 
 class LLMEngine:
     def __init__(self, net, policy: PolicySpec, max_request_tokens: int, kv: KVSpec = KVSpec(), eos_ids=(),
-                 seed: int = 0, clock=time.perf_counter, runner=None, compile: bool = False, graphs: bool = False):
+                 seed: int = 0, clock=time.perf_counter, runner=None, compile: bool = False, graphs: bool = False,
+                 speculation=None):
         """Built by engine/factory.py. net: the engine's model (engine/model/forward.py); max_request_tokens: prompt
         + output of one request (a seat's length on the slot cache); runner: a ready runner (the simulator's)
         instead of one over the net; compile: decode-only steps through torch.compile; graphs: those steps padded
-        to few shapes (CUDA graphs on CUDA)."""
+        to few shapes (CUDA graphs on CUDA); speculation: drafts verified in the steps
+        (engine.core.speculation.Speculation; iteration-level policies)."""
         usage.retain_freed_memory()  # each step's temporaries reuse the last step's memory
         self.scheduler = make_scheduler(policy, max_request_tokens, eos_ids)
         self.max_request_tokens = max_request_tokens
+        if speculation is not None:
+            self.scheduler.use_speculation(speculation)
         if kv.name == "paged":
             src = runner or net
             self.scheduler.use_blocks(make_pools(kv, self.scheduler.max_running, max_request_tokens,

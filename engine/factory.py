@@ -1,17 +1,19 @@
 """The one place the engine's parts are built, from records (engine/specs.py): the Hugging Face source model, the
 engine's model of it at a precision level (its architecture's class, engine/model/models/; the native kernels and
-each product's kernel chosen as explicit steps), and an engine over it (policy, KV cache, limits)."""
+each product's kernel chosen as explicit steps), and an engine over it (policy, KV cache, limits, speculation)."""
 import time
 from pathlib import Path
 
 import torch
 
+from engine.core.speculation import NgramDrafter, Speculation
 from engine.engine import LLMEngine
 from engine.kernels import build
 from engine.model import loader
+from engine.model.draft import DraftModel
 from engine.model.forward import FlatModel
 from engine.model.models import architecture
-from engine.specs import KVSpec, ModelSpec, PolicySpec, PrecisionSpec
+from engine.specs import KVSpec, ModelSpec, PolicySpec, PrecisionSpec, SpeculativeSpec
 
 AS_LOADED = PrecisionSpec()  # no level: the model's own weights, dtype and KV dtype
 SLOT = KVSpec()
@@ -62,13 +64,24 @@ def load_net(model: ModelSpec, precision: PrecisionSpec, **options) -> tuple[Fla
     return build_net(source, precision, gguf_file(model, precision), take=True, **options), tokenizer
 
 
+def build_speculation(spec: SpeculativeSpec, vocab_size: int, draft=None, cost=None) -> Speculation | None:
+    """Speculative decoding as a record asks (None for method none): prompt lookup, or `draft` (a Hugging Face model
+    with the target's vocabulary of vocab_size ids); cost: the step-time model adaptive k needs."""
+    if spec.method == "none":
+        return None
+    drafter = (NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram"
+               else DraftModel(draft, vocab_size))
+    return Speculation(drafter, spec.num_speculative_tokens, spec.adaptive, cost)
+
+
 def build_engine(model, policy: PolicySpec, max_request_tokens: int, eos_ids=(), *, kv: KVSpec = SLOT,
                  seed: int = 0, clock=time.perf_counter, runner=None, compile: bool | None = None,
-                 graphs: bool | None = None) -> LLMEngine:
+                 graphs: bool | None = None, speculation: Speculation | None = None) -> LLMEngine:
     """An engine over `model` (the engine's model; a Hugging Face model is built as it is), or over a ready `runner`
-    (the simulator's; model None). compile, graphs: the model's level's unless given."""
+    (the simulator's; model None). compile, graphs: the model's level's unless given; speculation:
+    build_speculation's."""
     net = model if model is None or isinstance(model, FlatModel) else build_net(model)
     level = net.precision if net is not None else AS_LOADED
     return LLMEngine(net, policy, max_request_tokens, kv=kv, eos_ids=eos_ids, seed=seed, clock=clock, runner=runner,
                      compile=level.compile if compile is None else compile,
-                     graphs=level.graphs if graphs is None else graphs)
+                     graphs=level.graphs if graphs is None else graphs, speculation=speculation)

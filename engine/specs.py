@@ -1,6 +1,7 @@
 """The engine's configuration records, frozen and checked when made (a bad value fails here, naming the valid ones):
 the model to load, the precision level it runs at, the KV cache and the batching policy. pipeline/config.py makes
-them from a composed conf/ (where every default is); engine/factory.py builds from them."""
+them from a composed conf/ (where every default is); engine/factory.py builds from them. Also speculative
+decoding's record (conf/speculative)."""
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ WEIGHTS = ("model", "bf16", "gguf")  # how the engine stores the weights
 DTYPES = ("float32", "bfloat16", "float16")  # a Hugging Face model's dtype
 KV_DTYPES = ("float32", "bfloat16")  # the KV cache's
 KV_NAMES = ("slot", "cat", "paged")
+SPEC_METHODS = ("none", "ngram", "draft")  # no speculation | prompt lookup | a draft model's greedy tokens
 
 
 def _refuse(what: str, value, valid) -> None:
@@ -119,3 +121,29 @@ class PolicySpec:
     @classmethod
     def of(cls, name: str, max_running: int, **knobs) -> "PolicySpec":
         return cls(name, int(max_running), MappingProxyType(knobs))
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding, vLLM's `speculative_config` fields (engine/core/speculation.py)."""
+    method: str = "none"             # one of SPEC_METHODS
+    num_speculative_tokens: int = 4  # k: the most tokens drafted per row and step
+    prompt_lookup_min: int = 2       # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4       # ngram: the longest
+    adaptive: bool = False           # choose k in [0, num_speculative_tokens] each step from the cost model
+    cost_model: str | None = None    # adaptive: a fitted step-time model's JSON (the pipeline's cost_model.json)
+    draft_model: str | None = None   # draft: a conf/model name with the target's vocabulary
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            _refuse("speculative.method", self.method, SPEC_METHODS)
+        k, lo, hi = self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max
+        valid = {"num_speculative_tokens": (isinstance(k, int) and k >= 1, "an integer >= 1"),
+                 "prompt_lookup_min": (isinstance(lo, int) and lo >= 1, "an integer >= 1"),
+                 "prompt_lookup_max": (isinstance(hi, int) and hi >= lo, "an integer >= prompt_lookup_min"),
+                 "adaptive": (isinstance(self.adaptive, bool), "true or false"),
+                 "draft_model": ((self.method == "draft") == (self.draft_model is not None),
+                                 "a conf/model name exactly when method is draft")}
+        for name, (ok, rule) in valid.items():
+            if not ok:
+                raise ValueError(f"speculative.{name} = {getattr(self, name)!r}: must be {rule}")

@@ -11,7 +11,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from engine.core.policies import make_scheduler
-from engine.specs import KVSpec, ModelSpec, PolicySpec, PrecisionSpec
+from engine.specs import KVSpec, ModelSpec, PolicySpec, PrecisionSpec, SpeculativeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -43,7 +43,9 @@ def check(cfg) -> None:
     model_spec(cfg.model)
     precision_spec(cfg.precision)
     if "policy" in cfg:  # its knobs' values are checked by the scheduler they make
-        make_scheduler(policy_spec(cfg.policy), int(cfg.get("max_request_tokens", 1)))
+        scheduler = make_scheduler(policy_spec(cfg.policy), int(cfg.get("max_request_tokens", 1)))
+        if "speculative" in cfg and speculative_spec(cfg.speculative).method != "none":
+            scheduler.use_speculation(None)  # a request-level policy refuses, naming the ones that speculate
     if "kv" in cfg:
         kv_spec(cfg.kv)
 
@@ -87,6 +89,41 @@ def kv_spec(kv, **given) -> KVSpec:
     if isinstance(kv, KVSpec) and not given:
         return kv
     return KVSpec(**_completed("kv", kv, given, "field"))
+
+
+def speculative_spec(speculative, **given) -> SpeculativeSpec:
+    """Speculative decoding's record from a conf/speculative entry (or its method's name), its defaults from
+    conf/speculative/<method>.yaml; a bad method, field or value fails naming the valid ones."""
+    if isinstance(speculative, SpeculativeSpec) and not given:
+        return speculative
+    entry = {**({"method": speculative} if isinstance(speculative, str) else _plain(speculative)), **given}
+    full = group_entry("speculative", entry.get("method"))
+    if set(entry) - set(full):
+        raise ValueError(f"speculative {full['method']!r} has no field {sorted(set(entry) - set(full))}; it has "
+                         f"{sorted(full)}")
+    return SpeculativeSpec(**{**full, **entry})
+
+
+def speculation(cfg, vocab_size: int):
+    """The engine's speculative decoding for a composed config (None for method none): the draft model loaded by
+    its conf/model name, the fitted cost model read for adaptive k (a missing file fails naming the stage that
+    writes it)."""
+    import json
+
+    from engine import factory
+
+    spec = speculative_spec(cfg.speculative)
+    draft = factory.load_source(model_spec(spec.draft_model))[0] if spec.method == "draft" else None
+    cost = None
+    if spec.adaptive:
+        from engine.core.simulator import CostModel
+
+        path = ROOT / spec.cost_model
+        if not path.exists():
+            raise ValueError(f"speculative.adaptive reads a fitted step-time model: {path} is missing (dvc repro "
+                             "fit_cost_model writes it; or give speculative.cost_model)")
+        cost = CostModel(**json.loads(path.read_text())["cost_model"])
+    return factory.build_speculation(spec, vocab_size, draft, cost)
 
 
 def _completed(group: str, entry, given: dict, what: str) -> dict:

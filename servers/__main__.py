@@ -1,6 +1,7 @@
 """python -m servers [Hydra overrides], e.g. `python -m servers server=engine policy=continuous policy.max_running=64
-port=8000`, `server=naive`, `server=batcher server.max_batch=16 server.max_wait_ms=50`, or a router in front of
-engine servers: `server=router server.policy=prefix_aware server.backends=[http://127.0.0.1:8001,http://127.0.0.1:8002]`
+port=8000` (with speculative decoding: `speculative=ngram`), `server=naive`, `server=batcher server.max_batch=16
+server.max_wait_ms=50`, or a router in front of engine servers:
+`server=router server.policy=prefix_aware server.backends=[http://127.0.0.1:8001,http://127.0.0.1:8002]`
 (no model of its own; uvicorn's own SIGTERM handling: requests in flight finish).
 Binds 127.0.0.1 unless told otherwise (host=0.0.0.0).
 
@@ -26,7 +27,7 @@ def build(cfg):
     from engine import threads
     from engine.factory import build_engine
     from engine.model.loader import eos_ids, pad_id
-    from pipeline.config import kv_spec, load_net, load_source, policy_spec
+    from pipeline.config import kv_spec, load_net, load_source, policy_spec, speculation, speculative_spec
     from servers.app import create_app
     from servers.generate_worker import GenerateWorker
     from servers.worker import EngineWorker
@@ -37,9 +38,11 @@ def build(cfg):
     if tokenizer is None:
         raise SystemExit(f"model {cfg.model.name} has no tokenizer; serve a model with one (e.g. model=tiny-chat)")
     srv = cfg.server
+    if srv.name != "engine" and speculative_spec(cfg.speculative).method != "none":
+        raise SystemExit(f"server={srv.name} does not speculate: speculative decoding runs in server=engine")
     if srv.name == "engine":
         engine = build_engine(model, policy_spec(cfg.policy), int(srv.max_request_tokens), eos_ids=eos_ids(model),
-                              seed=int(cfg.seed), kv=kv_spec(cfg.kv))
+                              seed=int(cfg.seed), kv=kv_spec(cfg.kv), speculation=speculation(cfg, model.vocab_size))
         worker = EngineWorker(engine, int(srv.max_waiting))
     else:
         worker = GenerateWorker(model, eos_ids(model), int(srv.max_request_tokens), int(srv.max_batch),

@@ -58,6 +58,7 @@ def create_app(worker: EngineWorker | GenerateWorker, tokenizer, model_name: str
     app = FastAPI(title="LLM Batching Lab", version="0.1.0")
     metrics = ServerMetrics(model_name)
     worker.on_step = metrics.on_step
+    worker.on_speculation = metrics.on_speculation
     eos = set(worker.eos_ids)
     longest = longest_token_chars(tokenizer)  # characters; a prompt over max_request_tokens x this cannot fit
 

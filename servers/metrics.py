@@ -22,6 +22,9 @@ SPECS = {
     "step_tokens": (Histogram, "vllm:iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS),
     "prompt_tokens": (Counter, "vllm:prompt_tokens", "Prompt tokens processed.", None),
     "generation_tokens": (Counter, "vllm:generation_tokens", "Tokens generated.", None),
+    "spec_drafts": (Counter, "vllm:spec_decode_num_drafts", "Rows verified with drafted tokens.", None),
+    "spec_draft_tokens": (Counter, "vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.", None),
+    "spec_accepted": (Counter, "vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", None),
     "http_cpu": (Gauge, "lab:http_thread_cpu_seconds", "CPU seconds the HTTP event loop's thread has used (parsing, "
                  "detokenizing, JSON, SSE writes), read at each scrape.", None),
 }
@@ -36,6 +39,20 @@ class ServerMetrics:
             setattr(self, attr, kind(name, doc, ["model_name"], registry=self.registry, **extra).labels(model_name))
         self._finished = Counter("vllm:request_success", "Finished requests by reason (stop, length, abort, error).",
                                  ["model_name", "finished_reason"], registry=self.registry)
+
+        self._per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted at each "
+                                "position of their row's draft (0: the first).", ["model_name", "position"],
+                                registry=self.registry)
+
+    def on_speculation(self, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> None:
+        """A step's speculative decoding (deltas): rows verified with drafts, tokens drafted, accepted, and accepted
+        per draft position."""
+        self.spec_drafts.inc(drafts)
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted.inc(accepted)
+        for pos, n in enumerate(per_pos):
+            if n:
+                self._per_pos.labels(self.model_name, str(pos)).inc(n)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self.model_name, reason).inc()

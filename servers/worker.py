@@ -53,6 +53,8 @@ class Worker(ABC):
         self.warm_up_s = 0.0                      # seconds the warm-up took (LLMEngine.warm_up)
         self.num_running = 0
         self.on_step = None                       # ServerMetrics.on_step, called after each forward pass
+        self.on_speculation = None                # ServerMetrics.on_speculation, after each step that may draft
+        self._spec_seen = None                    # the speculation counters at the last step
         self.drain_deadline: float | None = None  # time.monotonic() s at which a drain fails what is left
         self.decode_s: float | None = None        # s per decode step (moving average)
         self.prefill_s: float = 0.0               # s per prompt token (moving average)
@@ -169,14 +171,20 @@ class EngineWorker(Worker):
         steps = free[0] + len(starts | {free[0]})
         return steps * self.decode_s + (prompt_len + sum(p for p, _ in waiting)) * self.prefill_s
 
-    def _count(self, rec) -> None:
-        """A step's record to the metrics (on_step)."""
+    def _count(self, rec, generated: int) -> None:
+        """A step's record and its `generated` tokens to the metrics (on_step; on_speculation where drafting)."""
         if self.on_step is None:
             return
         paged = rec.blocks_used is not None
         usage = rec.blocks_used / (rec.blocks_used + rec.blocks_free) if paged else self.num_running / self.max_running
-        self.on_step(rec.num_tokens, rec.num_prompt_tokens, rec.useful_rows, self.num_running, self.num_waiting, usage,
+        self.on_step(rec.num_tokens, rec.num_prompt_tokens, generated, self.num_running, self.num_waiting, usage,
                      (rec.queried_tokens, rec.cached_tokens, rec.preempted) if paged else None)
+        spec = self.engine.scheduler.speculation
+        if spec is not None and self.on_speculation is not None:
+            now = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted, list(spec.accepted_per_pos))
+            last = self._spec_seen or (0, 0, 0, [0] * len(now[3]))
+            self.on_speculation(*(a - b for a, b in zip(now[:3], last[:3])), [a - b for a, b in zip(now[3], last[3])])
+            self._spec_seen = now
 
     def _emit(self, events: list[StepEvent]):
         """Hand events to the streams still open; a finished request's stream closes."""
@@ -243,9 +251,9 @@ class EngineWorker(Worker):
                 self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
                 self.ahead = ([r.params.max_new_tokens - len(r.output) for r in sched.running],
                               [(len(r.prompt), r.params.max_new_tokens) for r in sched.waiting])
-                for rec in records:
+                for rec in records:  # one per step
                     self.measure_step(rec.kind, rec.duration, rec.num_prompt_tokens)
-                    self._count(rec)
+                    self._count(rec, sum(1 for e in events if e.token is not None))
                 self._emit(events)
         except Exception:
             self.error = traceback.format_exc(limit=3)

@@ -55,12 +55,13 @@ class Server:
 
     def __init__(self, model, tok, policy, api_key=None, max_waiting=64, max_request_tokens=512, max_queue_wait_s=10.0,
                  kv=kv_spec("slot"), max_body_bytes=4 * 2**20, read_timeout_s=20.0, send_timeout_s=10.0,
-                 max_unread_bytes=262144):
+                 max_unread_bytes=262144, speculation=None):
         if not isinstance(policy, PolicySpec):  # the HF generate backends
             self.worker = GenerateWorker(model, eos_ids(model), max_request_tokens, policy["max_batch"],
                                          policy["max_wait_ms"], max_waiting, pad_id(tok))
         else:
-            self.engine = build_engine(model, policy, max_request_tokens, eos_ids(model), kv=kv)
+            self.engine = build_engine(model, policy, max_request_tokens, eos_ids(model), kv=kv,
+                                       speculation=speculation)
             self.worker = EngineWorker(self.engine, max_waiting)
         self.worker.start()
         app = create_app(self.worker, tok, "tiny-chat", api_key, default_max_tokens=16,

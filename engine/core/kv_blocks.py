@@ -1,5 +1,6 @@
 """The paged KV cache's bookkeeping, model-free: a fixed pool of blocks of `block_size` tokens, one block table per
-request that only grows (its K/V in those blocks, in order), reference counts, and prefix caching.
+request that grows (its K/V in those blocks, in order; a rejected draft's blocks are given back), reference counts,
+and prefix caching.
 
 Prefix caching: a block full of computed tokens is registered under a chain hash (its parent's hash and its own
 tokens). A new sequence takes the longest chain of registered blocks that matches its first tokens, verified
@@ -170,6 +171,12 @@ class BlockManager:
             return False
         blocks.extend(self._take() for _ in range(need))
         return True
+
+    def shrink(self, rid: str, num_tokens: int) -> None:
+        """Release the table's blocks past those holding num_tokens (a rejected draft's: never registered)."""
+        t = self._tables[rid]
+        while len(t.blocks) > max(self.blocks_for(num_tokens), t.slid, t.full):
+            self._release(t.blocks.pop())
 
     def cache(self, rid: str, num_computed: int, tokens: Tokens) -> None:
         """Register the table's blocks that are full of computed tokens and not yet registered."""

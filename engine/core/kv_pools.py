@@ -121,6 +121,10 @@ class LayerPools:
             return False
         return all([p.grow(rid, num_tokens) for p in self.pools.values()])
 
+    def shrink(self, rid: str, num_tokens: int) -> None:
+        for p in self.pools.values():
+            p.shrink(rid, num_tokens)
+
     def cache(self, rid: str, num_computed: int, tokens: Tokens) -> None:
         for p in self.pools.values():
             p.cache(rid, num_computed, tokens)

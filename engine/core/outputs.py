@@ -10,7 +10,7 @@ from engine.core.request import SamplingParams
 class ScheduledChunk:
     rid: str
     start: int                         # position of the first token in the sequence
-    tokens: tuple[int, ...]            # a whole prompt, a prompt chunk or one decode token
+    tokens: tuple[int, ...]            # a whole prompt, a prompt chunk, one decode token (and its draft)
     sample: bool                       # take a token from the chunk's last position
     prompt: bool = False               # the tokens are (part of) the prompt
     zombie: bool = False               # a finished row kept in a static batch: computed, then discarded
@@ -19,6 +19,7 @@ class ScheduledChunk:
     tables: dict | None = None         # paged KV in LayerPools: window -> the request's table in that pool
     params: SamplingParams | None = None  # the request's sampling, on chunks that sample
     history: tuple[list[int], list[int]] | None = None  # (prompt, output) ids, for penalized sampling
+    draft: tuple[int, ...] = ()        # a decode row's drafted tokens, the last of `tokens`, verified this step
 
 
 @dataclass(frozen=True)
@@ -51,43 +52,13 @@ class SchedulerOutput:
         return sum(len(c.tokens) for c in self.chunks)  # padding chunks included
 
     @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt tokens fed this step (whole prompts, chunks and padding)."""
-        return sum(len(c.tokens) for c in self.chunks if c.prompt)
-
-    @property
-    def num_decode_rows(self) -> int:
-        """One-token decode rows (zombie rows included: they are computed)."""
-        return sum(1 for c in self.chunks if not c.prompt)
-
-    @property
-    def num_sampled_rows(self) -> int:
-        """Rows that produce a token (zombies included): the rows the LM head and the sampler see."""
-        return sum(1 for c in self.chunks if c.sample)
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft) for c in self.chunks)
 
     @property
     def num_useful_rows(self) -> int:
         """Rows whose token is kept."""
         return sum(1 for c in self.chunks if c.sample and not c.zombie)
-
-    @property
-    def decode_attention(self) -> int:
-        """Query-key pairs per head of the decode attention as the padded path computes it: on seats one query per
-        seat up to the highest decoding one, on blocks one per decode; each against the longest decoding context."""
-        dec = [c for c in self.chunks if len(c.tokens) == 1]
-        if not dec:
-            return 0
-        rows = len(dec) if dec[0].seat is None else max(c.seat for c in dec) + 1
-        return rows * max(c.start + 1 for c in dec)
-
-    @property
-    def prompt_attention(self) -> int:
-        """Query-key pairs per head of the prompt attention: every multi-token chunk padded to the longest chunk,
-        against keys up to the furthest chunk end."""
-        pre = [c for c in self.chunks if len(c.tokens) > 1]
-        if not pre:
-            return 0
-        return len(pre) * max(len(c.tokens) for c in pre) * max(c.start + len(c.tokens) for c in pre)
 
     @property
     def kind(self) -> str:
@@ -99,19 +70,54 @@ class SchedulerOutput:
         return "mixed" if prompt and decode else ("prefill" if prompt else "decode")
 
     def features(self) -> dict[str, int]:
-        """The step's cost features (engine.core.simulator.FEATURES): what the step computes. multi_row: more than one
-        row through the layers (matrix-matrix products, a different kernel from one row's)."""
-        return {"num_prompt_tokens": self.num_prompt_tokens, "num_decode_rows": self.num_decode_rows,
-                "num_sampled_rows": self.num_sampled_rows, "decode_attention": self.decode_attention,
-                "prompt_attention": self.prompt_attention, "is_mixed": int(self.kind == "mixed"),
-                "multi_row": int(self.total_tokens > 1)}
+        return step_features(self.chunks)
+
+
+def step_features(chunks, more: dict[str, int] | None = None) -> dict[str, int]:
+    """The cost features of a step of these chunks (engine.core.simulator.FEATURES), each chunk whose rid is in
+    `more` carrying that many more drafted tokens (the adaptive speculation's candidates), in one pass:
+    num_prompt_tokens: prompt tokens fed (whole prompts, chunks and padding); num_decode_rows: decode rows through
+    the layers, one per decoding request (zombies included) and one per drafted token; num_sampled_rows: rows the LM
+    head and the sampler see, one per chunk that samples and one per drafted token; decode_attention: query-key pairs
+    per head of the one-token rows as the padded path computes them (on seats one query per seat up to the highest
+    decoding one, on blocks one per decode; each against the longest decoding context); prompt_attention: those of
+    every multi-token chunk (drafted rows included) padded to the longest, against keys up to the furthest chunk
+    end; is_mixed: prompt tokens and decodes in one pass; multi_row: more than one row through the layers
+    (matrix-matrix products, a different kernel from one row's)."""
+    more = more or {}
+    prompt = decode = sampled = total = 0
+    decodes, seat_top, context, multi, longest, furthest = 0, None, 0, 0, 0, 0
+    for c in chunks:
+        extra = more.get(c.rid, 0)
+        n = len(c.tokens) + extra
+        total += n
+        if c.prompt:
+            prompt += n
+        else:
+            decode += n
+        if c.sample:
+            sampled += 1 + len(c.draft) + extra
+        if n == 1:
+            decodes += 1
+            context = max(context, c.start + 1)
+            if c.seat is not None:
+                seat_top = c.seat if seat_top is None else max(seat_top, c.seat)
+        else:
+            multi += 1
+            longest, furthest = max(longest, n), max(furthest, c.start + n)
+    rows = decodes if seat_top is None else seat_top + 1
+    return {"num_prompt_tokens": prompt, "num_decode_rows": decode, "num_sampled_rows": sampled,
+            "decode_attention": rows * context if decodes else 0, "prompt_attention": multi * longest * furthest,
+            "is_mixed": int(prompt > 0 and decode > 0), "multi_row": int(total > 1)}
 
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    tokens: dict[str, int]             # rid -> the token sampled for each chunk that samples
+    tokens: dict[str, int]             # rid -> the token sampled for each chunk that samples (a drafted row's last)
     logprobs: dict[str, tuple[float, tuple[tuple[int, float], ...]]] = field(default_factory=dict)
     # rid -> (the token's logprob, its top alternatives (id, logprob)), for the rows that asked
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)  # drafted rows: the drafts kept, before `tokens`
+    accepted_logprobs: dict[str, tuple] = field(default_factory=dict)   # drafted rows that asked: one per draft kept
 
 
 @dataclass(frozen=True)
@@ -151,11 +157,12 @@ class StepRecord:
     prompt_attention: int
     is_mixed: int
     multi_row: int
+    num_draft_tokens: int              # drafted tokens verified (speculative decoding)
 
     @classmethod
     def of(cls, plan: SchedulerOutput, start: float, end: float) -> "StepRecord":
-        kv = plan.kv
+        kv, features = plan.kv, plan.features()
         return cls(start, end - start, plan.kind, plan.total_tokens, plan.num_pad_tokens, plan.num_useful_rows,
-                   plan.num_sampled_rows, len(plan.new_ids), sum(plan.num_cached_tokens.values()),
+                   features["num_sampled_rows"], len(plan.new_ids), sum(plan.num_cached_tokens.values()),
                    len(plan.preempted_ids), kv.num_running, kv.kv_tokens, kv.kv_reserved_tokens, kv.blocks_used,
-                   kv.blocks_free, kv.queried_tokens, **plan.features())
+                   kv.blocks_free, kv.queried_tokens, **features, num_draft_tokens=plan.num_draft_tokens)

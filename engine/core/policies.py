@@ -14,7 +14,8 @@ PAD = "<pad>"  # rid of the padding chunk: no request owns it, so update() skips
 
 
 class Continuous(Scheduler):
-    """Prefill-first: admit while there is room; a step is the newcomers' whole prompts, or one decode for all."""
+    """Prefill-first: admit while there is room; a step is the newcomers' whole prompts, or one decode for all (with
+    their drafts where speculating)."""
 
     def _admit_waiting(self, now: float) -> list[Request]:
         new = []
@@ -27,8 +28,9 @@ class Continuous(Scheduler):
     def schedule(self, now: float) -> SchedulerOutput:
         new = self._admit_waiting(now)
         prefill = [r for r in self.running if r.in_prompt]
-        rows = prefill or self.running
-        return self._output([self._chunk(r, self.max_request_tokens) for r in rows], new)
+        if prefill:
+            return self._output([self._chunk(r, self.max_request_tokens) for r in prefill], new)
+        return self._output(self._speculate([self._chunk(r, 1) for r in self.running]), new)
 
 
 class Naive(Continuous):
@@ -43,11 +45,12 @@ class Mixed(Continuous):
 
     def schedule(self, now: float) -> SchedulerOutput:
         new = self._admit_waiting(now)
-        return self._output([self._chunk(r, self.max_request_tokens) for r in self.running], new)
+        return self._output(self._speculate([self._chunk(r, self.max_request_tokens) for r in self.running]), new)
 
 
 class Chunked(Continuous):
-    """A per-step token budget: decodes first, then prompt chunks; a cut prompt continues next step."""
+    """A per-step token budget: decodes first (and their drafts), then prompt chunks; a cut prompt continues next
+    step."""
 
     def __init__(self, max_running: int, max_request_tokens: int, eos_ids=(), *, token_budget: int):
         super().__init__(max_running, max_request_tokens, eos_ids)
@@ -62,6 +65,8 @@ class Chunked(Continuous):
             if not r.in_prompt and budget > 0:
                 chunks.append(self._chunk(r, 1))
                 budget -= 1
+        chunks = self._speculate(chunks, budget)  # drafts count against the budget, before waiting prompts
+        budget -= sum(len(c.draft) for c in chunks)
         new = []
         for r in self.running:  # prompts already started continue in admission order
             if r.in_prompt and budget > 0:

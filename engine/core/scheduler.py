@@ -58,6 +58,7 @@ class Scheduler(ABC):
         self._finished_since: list[str] = []
         self._preempted_since: list[str] = []
         self._queried = 0                                # blocks.queried_tokens at the last plan
+        self.speculation = None                          # engine.core.speculation.Speculation (use_speculation)
 
     def use_blocks(self, blocks: BlockManager | LayerPools) -> None:
         """Keep the K/V of running requests in a paged pool instead of a seat each."""
@@ -66,6 +67,13 @@ class Scheduler(ABC):
                              "request-level batch keeps its finished rows; paged KV serves naive, continuous, mixed "
                              "and chunked")
         self.blocks, self.seats = blocks, None
+
+    def use_speculation(self, speculation) -> None:
+        """Draft tokens for decode rows and verify them in the step (engine.core.speculation.Speculation)."""
+        if self.holds_finished:
+            raise ValueError(f"policy {type(self).__name__.lower()!r} cannot speculate: a request-level batch runs "
+                             "every row to its longest end; speculative decoding serves continuous, mixed and chunked")
+        self.speculation = speculation
 
     # --- the queue -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -97,26 +105,35 @@ class Scheduler(ABC):
         """The policy: who runs this step and how many tokens each."""
 
     def update(self, plan: SchedulerOutput, out: RunnerOutput, now: float) -> list[StepEvent]:
-        """Append sampled tokens, finish requests, free their places; one event per new token."""
+        """Append sampled tokens (a drafted row's kept drafts, then its sampled token), finish requests, free their
+        places; one event per new token."""
         events = []
         for ch in plan.chunks:
             req = self.requests.get(ch.rid)
             if req is None:  # its batch ended earlier in this update
                 continue
-            req.num_computed += len(ch.tokens)
-            if self.blocks is not None:
-                self.blocks.cache(req.rid, req.num_computed, req.tokens)
+            kept = out.accepted.get(ch.rid, ()) if ch.draft else ()
+            req.num_computed += len(ch.tokens) - len(ch.draft) + len(kept)  # rejected drafts' K/V: rolled back
+            if ch.draft:
+                self.speculation.observe(req.rid, len(ch.draft), len(kept))
+            if self.blocks is not None:  # kept drafts join the output below: their blocks register next step
+                self.blocks.cache(req.rid, req.num_computed - len(kept), req.tokens)
                 self.blocks.slide(req.rid, req.num_computed)
             if ch.zombie or not ch.sample or req.status is Status.FINISHED:
                 continue
-            token = out.tokens[ch.rid]
-            req.output.append(token)
-            req.token_times.append(now)
-            reason = stop_reason(req.params, self.eos_ids, token, len(req.output))
-            if reason:
-                self._finish(req, reason, now)
-            lp, top = out.logprobs.get(ch.rid, (None, None))
-            events.append(StepEvent(req.rid, token, reason, lp, top, cached_tokens=req.num_cached))
+            lps = out.accepted_logprobs.get(ch.rid, ((None, None),) * len(kept)) + (
+                out.logprobs.get(ch.rid, (None, None)),)
+            for token, (lp, top) in zip((*kept, out.tokens[ch.rid]), lps):
+                req.output.append(token)
+                req.token_times.append(now)
+                reason = stop_reason(req.params, self.eos_ids, token, len(req.output))
+                if reason:
+                    self._finish(req, reason, now)
+                events.append(StepEvent(req.rid, token, reason, lp, top, cached_tokens=req.num_cached))
+                if reason:
+                    break
+            if ch.draft and self.blocks is not None and req.status is Status.RUNNING:
+                self.blocks.shrink(req.rid, req.num_tokens)  # blocks held for rejected drafts: freed
         if self.blocks is not None:
             self._grow()
         return events
@@ -173,16 +190,35 @@ class Scheduler(ABC):
             self.seats.free(req.seat)
         else:
             self.blocks.free(req.rid)
+        if self.speculation is not None:
+            self.speculation.forget(req.rid)
         del self.requests[req.rid]
 
-    def _chunk(self, req: Request, limit: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, limit: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:
         tokens = req.next_tokens(limit)
         last = req.num_computed + len(tokens) >= req.prefill_len  # the chunk reaches the end of the prefill
         tables = self.blocks.tables(req.rid) if isinstance(self.blocks, LayerPools) else None  # one copy each
         table = () if self.blocks is None else tables[self.blocks.main] if tables else tuple(self.blocks.table(req.rid))
-        return ScheduledChunk(req.rid, req.num_computed, tuple(tokens), sample=last, prompt=req.in_prompt,
+        return ScheduledChunk(req.rid, req.num_computed, tuple(tokens) + draft, sample=last, prompt=req.in_prompt,
                               seat=req.seat, blocks=table, tables=tables, params=req.params if last else None,
-                              history=(req.prompt, req.output) if last and req.params.penalized else None)
+                              history=(req.prompt, req.output) if last and req.params.penalized else None,
+                              draft=draft)
+
+    def _speculate(self, chunks: list[ScheduledChunk], budget: int | None = None) -> list[ScheduledChunk]:
+        """The step's decode rows with their drafts (engine.core.speculation), at most `budget` drafted tokens in all
+        (None: no limit); on a paged cache each draft cut to the blocks it can take from the free ones."""
+        if self.speculation is None:
+            return chunks
+        drafts = self.speculation.drafts(chunks, self.requests, budget)
+        for i, c in enumerate(chunks):
+            draft = drafts.get(c.rid)
+            if draft and self.blocks is not None:
+                req = self.requests[c.rid]
+                while draft and not self.blocks.grow(req.rid, req.num_tokens + len(draft)):
+                    draft = draft[:-1]
+            if draft:
+                chunks[i] = self._chunk(self.requests[c.rid], 1, draft)
+        return chunks
 
     def _zombie(self, req: Request) -> ScheduledChunk:
         """A finished row's dummy decode: its last token again, at its next position (clamped to the seat)."""

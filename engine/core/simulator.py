@@ -6,7 +6,12 @@ computes (SchedulerOutput.features): rows through the layers, rows through the L
 of the decode and of the prompt attention as computed (decode keys weigh at long contexts), whether the pass mixes
 prompts and decodes, and whether it carries more than one row (on a CPU one row takes the matrix-vector kernels,
 more rows the matrix-matrix ones: a jump in step time that no per-row cost describes). Every coefficient is >= 0.
+A drafted token is one more decode row and sampled row, its queries in the prompt attention (the verification rows).
+
+Speculative decoding simulates from measured rates: RateDrafter proposes k tokens on a measured share of the rows,
+and SimRunner keeps each drafted token with a measured acceptance (per token, given the ones before it kept).
 """
+import random
 from dataclasses import dataclass, field
 
 from engine.core.outputs import RunnerOutput, SchedulerOutput
@@ -59,10 +64,34 @@ class SimRunner:
     kv_bytes_per_token sizes a pool given in MiB (kv.memory_mb), else give kv.num_blocks."""
 
     def __init__(self, cost: CostModel, clock: VirtualClock, vocab_size: int = 2**31 - 1,
-                 kv_bytes_per_token: int | None = None):
+                 kv_bytes_per_token: int | None = None, acceptance: float = 0.0, seed: int = 0):
+        """acceptance: the chance a drafted token is kept once the ones before it in its row were."""
         self.cost, self.clock, self.vocab_size = cost, clock, vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.acceptance, self._rng = acceptance, random.Random(seed)
 
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
         self.clock.advance(self.cost.step_time(plan))
-        return RunnerOutput({c.rid: 0 for c in plan.chunks if c.sample})  # token 0: lengths come from the workload
+        accepted = {}
+        for c in plan.chunks:
+            if c.draft:
+                n = 0
+                while n < len(c.draft) and self._rng.random() < self.acceptance:
+                    n += 1
+                accepted[c.rid] = c.draft[:n]
+        # token 0: lengths come from the workload
+        return RunnerOutput({c.rid: 0 for c in plan.chunks if c.sample}, accepted=accepted)
+
+
+class RateDrafter:
+    """A simulated drafter: k tokens (token 0) for a row with probability `rate` (the measured share of decode rows
+    that got a draft), none otherwise; seeded."""
+
+    def __init__(self, rate: float, seed: int = 0):
+        self.rate, self._rng = rate, random.Random(seed)
+
+    def propose(self, req, k: int) -> tuple[int, ...]:
+        return (0,) * k if self._rng.random() < self.rate else ()
+
+    def forget(self, rid: str) -> None:
+        """Nothing is kept per request."""

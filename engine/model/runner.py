@@ -64,8 +64,8 @@ class ModelRunner:
             positions.extend(range(c.start, c.start + n))
             places.extend([c.seat] * n if bs is None else [c.blocks[p // bs] for p in range(c.start, c.start + n)])
             (decodes if n == 1 else prompts).append((t0, c))
-            if c.sample:
-                logit_rows.append(t0 + n - 1)
+            if c.sample:  # a drafted row's logits at its last token and at each draft
+                logit_rows.extend(range(t0 + n - 1 - len(c.draft), t0 + n))
         T = len(ids)  # the four index lists travel as one tensor, split into views
         flat = self._tensor(ids + positions + places + logit_rows).split([T, T, T, len(logit_rows)])
         attention = self._attention(plan.chunks, places, positions, decodes, prompts)
@@ -177,19 +177,38 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
         """One forward pass. Logprobs, for the rows that ask, are the raw model distribution's (fp32 log-softmax of
-        the logits before penalties, temperature, top-k and top-p), as vLLM and OpenAI report them."""
+        the logits before penalties, temperature, top-k and top-p), as vLLM and OpenAI report them. A drafted row
+        has a logits row per position: each draft is tested where the target chose (engine/model/sampler.py), the
+        agreeing prefix kept, and the first disagreement's choice (or the position after the last draft) sampled."""
         threads.tick()
         for rid in plan.finished_ids:
             self.sampler.forget(rid)
         logits = self._logits(self.inputs(plan))
         rows = [c for c in plan.chunks if c.sample]
-        rids, params = [c.rid for c in rows], [c.params for c in rows]
+        rids = [c.rid for c in rows for _ in range(1 + len(c.draft))]
+        params = [c.params for c in rows for _ in range(1 + len(c.draft))]
+        proposed = [t for c in rows for t in (*c.draft, None)]
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[asked].float().log_softmax(dim=-1) if asked else None  # before the sampler edits logits
         with torch.profiler.record_function(SAMPLER_SPAN):
-            tokens = self.sampler(logits, rids, params, {c.rid: c.history for c in rows if c.history is not None})
-        logprobs = token_logprobs(raw, [tokens[i] for i in asked], [params[i].logprobs for i in asked]) if asked else []
-        return RunnerOutput(dict(zip(rids, tokens)), dict(zip([rids[i] for i in asked], logprobs)))
+            picks = self.sampler(logits, rids, params, {c.rid: c.history for c in rows if c.history is not None},
+                                 proposed)
+        lps = dict(zip(asked, token_logprobs(raw, [picks[i] for i in asked], [params[i].logprobs for i in asked])
+                       if asked else []))
+        tokens, accepted, logprobs, accepted_logprobs, i = {}, {}, {}, {}, 0
+        for c in rows:
+            n = 0
+            while n < len(c.draft) and picks[i + n] == c.draft[n]:
+                n += 1
+            tokens[c.rid] = picks[i + n]
+            if c.draft:
+                accepted[c.rid] = c.draft[:n]
+            if i in lps:
+                logprobs[c.rid] = lps[i + n]
+                if c.draft:
+                    accepted_logprobs[c.rid] = tuple(lps[i + j] for j in range(n))
+            i += 1 + len(c.draft)
+        return RunnerOutput(tokens, logprobs, accepted, accepted_logprobs)
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
         """The net's logits for the step: a step of decodes only (DenseDecode) runs through torch.compile with

@@ -54,9 +54,12 @@ class Sampler:
         return self._rngs[rid]
 
     def __call__(self, logits: torch.Tensor, rids: list[str], params: list,
-                 seen: dict[str, tuple[list[int], list[int]]] | None = None) -> list[int]:
+                 seen: dict[str, tuple[list[int], list[int]]] | None = None,
+                 proposed: list[int | None] | None = None) -> list[int]:
         """logits: [R, vocab] float32, edited in place; params[i]: the SamplingParams of row i; seen: rid ->
-        (prompt ids, output ids) for the rows with penalties. Returns one token id per row."""
+        (prompt ids, output ids) for the rows with penalties; proposed[i]: a draft token to test at row i (None:
+        none). Returns one token id per row: a greedy row's argmax; a sampled row's draw, or with a draft d, d with
+        probability p(d) and else a draw from p without d (rejection sampling, exact against a point-mass draft)."""
         dev = logits.device
         no_eos = [i for i, p in enumerate(params) if p.ignore_eos]
         if no_eos and self.eos_ids:
@@ -70,7 +73,8 @@ class Sampler:
         hot = [i for i, p in enumerate(params) if p.temperature > 0]
         if hot:
             idx = to_device(hot, dev)
-            tokens[idx] = self._sample(logits[idx], [rids[i] for i in hot], [params[i] for i in hot])
+            tokens[idx] = self._sample(logits[idx], [rids[i] for i in hot], [params[i] for i in hot],
+                                       [proposed[i] for i in hot] if proposed else None)
         return tokens.tolist()
 
     @staticmethod
@@ -93,7 +97,7 @@ class Sampler:
         pres = to_device([p.presence_penalty for p in params], dev, logits.dtype)[:, None]
         return logits - freq * output - pres * (output > 0).to(logits.dtype)
 
-    def _sample(self, logits: torch.Tensor, rids: list[str], params: list) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rids: list[str], params: list, proposed=None) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         temp = to_device([p.temperature for p in params], dev, logits.dtype)[:, None]
         logits = logits / temp
@@ -105,8 +109,19 @@ class Sampler:
         mass_before = probs.cumsum(dim=-1) - probs                 # keep a token while the mass before it < top_p
         drop = (rank >= top_k[:, None]) | (mass_before >= top_p)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        u = torch.stack([torch.rand(vocab, generator=self._rng(r, p.seed, dev), device=dev)
-                         for r, p in zip(rids, params)])
+        gens = [self._rng(r, p.seed, dev) for r, p in zip(rids, params)]
+        u = torch.stack([torch.rand(vocab, generator=g, device=dev) for g in gens])
         gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0)))     # Gumbel-max: argmax(logit + G) ~ softmax
+        tested = [i for i, d in enumerate(proposed or ()) if d is not None]
+        if tested:  # draft d: kept with probability p(d); else d is out of the draw (the residual, p without d)
+            idx, d = to_device(tested, dev), to_device([proposed[i] for i in tested], dev)[:, None]
+            place = (order[idx] == d).int().argmax(dim=-1)        # d's rank in its row
+            p_d = sorted_logits[idx].softmax(dim=-1).gather(1, place[:, None])[:, 0]
+            draws = torch.cat([torch.rand(1, generator=gens[i], device=dev) for i in tested])
+            keep = draws < p_d
+            sorted_logits[idx, place] = float("-inf")
         choice = (sorted_logits + gumbel).argmax(dim=-1)
-        return order.gather(1, choice[:, None])[:, 0]
+        tokens = order.gather(1, choice[:, None])[:, 0]
+        if tested:
+            tokens[idx] = torch.where(keep, d[:, 0], tokens[idx])
+        return tokens

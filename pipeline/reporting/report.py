@@ -5,7 +5,7 @@ from pathlib import Path
 
 from pipeline.config import group_entry
 from pipeline.measuring.metrics import meets_slo
-from pipeline.reporting import computed, fleet_measured, models, precision_table, shaped, tables
+from pipeline.reporting import computed, fleet_measured, models, precision_table, shaped, speculation, tables
 from pipeline.workloads.runs import table_config
 
 
@@ -270,6 +270,12 @@ def build(cfg, root: Path) -> tuple[str, dict]:
                                  sim, "policy.max_running", "seats",
                                  ((0, "tokens reserved per seat", lambda r: str(r["reserved_tokens_per_seat"])),
                                   (0, "KV unused", lambda r: f"{r['kv_unused']:.0%}")))))
+    spec = read(results / "speculation.json")
+    if spec:
+        body, m = speculation.render(spec)
+        parts.append(section("Speculative decoding against batching", speculation.note(spec)
+                             + inputs.note(results / "speculation.json"), body))
+        metrics.update(m)
     shaped_result = read(results / "shaped.json")
     if shaped_result:
         for title, note, body, m in shaped.render(shaped_result, results_by_table.get("all_policies", [])):

@@ -25,6 +25,7 @@ SMALL = [
     "bench.fleet.calibrate=4", "bench.fleet.overhead.pairs=4",  # the measured fleet: 8 requests a run (x 0.75)
     'bench.fleet.workloads.mooncake-sessions.overrides=["workload.num_requests=8","workload.prefix.sessions=2"]',
     'bench.fleet.workloads.azure-conv.overrides=["workload.num_requests=8","workload.scale=16"]',
+    "bench.speculation.batches=[1,4]", "bench.speculation.max_new_tokens=16",  # speculation's grid, small
 ]
 
 

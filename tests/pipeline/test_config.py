@@ -118,3 +118,30 @@ def test_a_params_yaml_value_of_the_wrong_kind_fails_naming_its_key(tmp_path, mo
 
 def test_params_yaml_is_the_composed_default():
     assert OmegaConf.to_container(OmegaConf.load(PARAMS)) == OmegaConf.to_container(compose_config([]))
+
+
+def test_speculation_is_checked_at_composition_and_built_from_its_group(tmp_path):
+    """A request-level policy or a bad field fails composing; ngram builds prompt lookup, draft loads its model by
+    name, adaptive reads the fitted cost model and names the stage that writes it when it is missing."""
+    from engine.core.speculation import NgramDrafter
+    from engine.model.draft import DraftModel
+    from pipeline.config import speculation
+
+    with pytest.raises(ValueError, match="cannot speculate"):
+        compose_config(["speculative=ngram", "policy=dynamic"])
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        compose_config(["speculative=ngram", "speculative.prompt_lookup_max=1"])
+    assert speculation(compose_config([]), 512) is None
+    spec = speculation(compose_config(["speculative=ngram", "speculative.num_speculative_tokens=3"]), 512)
+    assert isinstance(spec.drafter, NgramDrafter) and spec.k_max == 3 and not spec.adaptive
+    draft = speculation(compose_config(["speculative=draft", "speculative.draft_model=tiny-llama"]), 512)
+    assert isinstance(draft.drafter, DraftModel)
+    with pytest.raises(ValueError, match="49152 ids"):
+        speculation(compose_config(["speculative=draft", "speculative.draft_model=tiny-llama"]), 49152)
+    with pytest.raises(ValueError, match="dvc repro fit_cost_model"):
+        speculation(compose_config(["speculative=ngram", "speculative.adaptive=true",
+                                    f"speculative.cost_model={tmp_path}/none.json"]), 512)
+    (tmp_path / "cost.json").write_text('{"cost_model": {"fixed": 0.01, "coef": {"num_decode_rows": 0.001}}}')
+    spec = speculation(compose_config(["speculative=ngram", "speculative.adaptive=true",
+                                       f"speculative.cost_model={tmp_path}/cost.json"]), 512)
+    assert spec.adaptive and spec.cost.coef == {"num_decode_rows": 0.001}

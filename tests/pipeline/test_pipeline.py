@@ -14,7 +14,7 @@ REPORTS = ["REPORT.md", "HARDWARE.md", "SCOREBOARD.md", "metrics.json", "engine_
            "plots/prefill_stall.png", "plots/kv_memory.png", "plots/shared_prefix.png", "fleet/FLEET.md",
            "fleet/plots/gpus_vs_rate.png"]
 MEASURED = ["probe_hardware", "check_equivalence", "engine_speed", "bench_engine", "bench_cache",
-            "bench_server"]  # stages that measure: each depends on reports/machine.json
+            "bench_server", "bench_speculation"]  # stages that measure: each depends on reports/machine.json
 
 
 def ran(out: str) -> set[str]:
@@ -49,6 +49,8 @@ def test_dvc_repro_on_a_tiny_model(tmp_path, smollm2_tokenizer_dir):
     speed = [k for k in metrics if k.startswith("engine_speed.") and k.endswith(".bytes_fraction_here")]
     assert speed and all(0 <= metrics[k] < 10 for k in speed), speed  # each case against its own bandwidth reading
     assert metrics["fleet.errors"] == 0 and "fleet.azure-conv.prefix_aware.ttft_p99_s" in metrics  # through the router
+    spec = {k: v for k, v in metrics.items() if k.startswith("speculation.") and k.endswith(".throughput_ratio")}
+    assert len(spec) == 2 * 2 * 3 and all(v > 0 for v in spec.values()), spec  # workloads x batches x ks, each timed
     preempted = {k: v for k, v in metrics.items() if k.startswith("preemption.") and k.endswith(".preemptions")}
     assert preempted["preemption.blocks48.preemptions"] > 0 == min(preempted.values()), preempted  # the big pool: none
     machine = json.loads((repo / "reports" / "machine.json").read_text())

@@ -1,15 +1,17 @@
 """The servers under pressure: 429 by count and by time with Retry-After, deadlines, disconnects that abort the
-request and free the seat, and metrics that count what was served (starting, failing and stopping:
-tests/servers/test_server_lifecycle.py)."""
+request and free the seat, metrics that count what was served, and speculative decoding under load (starting,
+failing and stopping: tests/servers/test_server_lifecycle.py)."""
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
+from engine.core.speculation import NgramDrafter, Speculation
 from engine.specs import PolicySpec
 from pipeline.config import kv_spec
 from servers.worker import EngineWorker
@@ -194,3 +196,30 @@ def test_pure_static_never_answers_a_lone_request(chat_model, stream):
                         pass
         wait_for(lambda: s.worker.queued() == 0, 5, "the abandoned request stayed in the queue")
         assert metric(s.url, "vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_a_speculating_server_serves_64_clients_and_counts_its_drafts(chat_model):
+    """Prompt lookup on, 64 seats: the official client at c = 1 and then 64 concurrently, no error; each answer and
+    its usage equal the same request's on a server without speculation; vLLM's spec-decode counters add up."""
+    prompts = [f"say {w} {w} {w} again and again" for w in ("sea", "sky", "tree", "rock")] * 16
+    ask = {"model": "tiny-chat", "max_tokens": 24, "temperature": 0}
+
+    def answers(s, c):
+        with ThreadPoolExecutor(c) as pool:
+            got = list(pool.map(lambda p: client(s).chat.completions.create(
+                messages=[{"role": "user", "content": p}], **ask), prompts[:c] if c == 1 else prompts))
+        return [(r.choices[0].message.content, r.usage.completion_tokens, r.usage.prompt_tokens) for r in got]
+
+    spec = Speculation(NgramDrafter(1, 3), 4)
+    with Server(*chat_model, PolicySpec.of("continuous", 64), max_waiting=128, speculation=spec) as s:
+        fast = answers(s, 1) + answers(s, 64)
+        u = s.url
+        drafted, accepted = metric(u, "vllm:spec_decode_num_draft_tokens_total"), \
+            metric(u, "vllm:spec_decode_num_accepted_tokens_total")
+        assert drafted >= accepted > 0 and metric(u, "vllm:spec_decode_num_drafts_total") == spec.num_drafts > 0
+        assert metric(u, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+        assert metric(u, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") <= spec.num_drafts
+        assert metric(u, "vllm:generation_tokens_total") == sum(n for _, n, _ in fast)
+        assert metric(u, "vllm:request_success_total", finished_reason="error") == 0
+    with Server(*chat_model, PolicySpec.of("continuous", 64), max_waiting=128) as s:
+        assert answers(s, 1) + answers(s, 64) == fast

@@ -102,11 +102,12 @@ POLICIES = [PolicySpec.of("naive", 1), PolicySpec.of("continuous", 4),
 POOLS = {"roomy": 200, "tight": 22}  # tight: the longest request (65 tokens) fits alone, three do not
 
 
-def run_paged(model, policy, kv, prompts, lens, arrive, max_request_tokens=256):
-    """Arrivals at given steps (1 s each on a virtual clock), the pool's invariants checked after every step;
+def run_paged(model, policy, kv, prompts, lens, arrive, max_request_tokens=256, speculation=None):
+    """Arrivals at given steps (1 s each on a virtual clock), a paged pool's invariants checked after every step;
     returns (engine, rid -> output, rid -> the tokens its events carried)."""
     clock = [0.0]
-    eng = build_engine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], kv=kv)
+    eng = build_engine(model, policy, max_request_tokens, eos_ids=eos_ids(model), clock=lambda: clock[0], kv=kv,
+                       speculation=speculation)
     reqs, streamed, step = {}, {}, 0
     while step <= max(arrive) or eng.has_work():
         for i in arrive.get(step, []):
@@ -114,7 +115,8 @@ def run_paged(model, policy, kv, prompts, lens, arrive, max_request_tokens=256):
             streamed[str(i)] = []
         for e in eng.step():
             streamed[e.rid].append(e.token)
-        eng.scheduler.blocks.check()
+        if eng.scheduler.blocks is not None:
+            eng.scheduler.blocks.check()
         clock[0] += 1.0
         step += 1
         assert step < 2000, "did not finish"
