@@ -65,8 +65,9 @@ class Chunked(Continuous):
             if not r.in_prompt and budget > 0:
                 chunks.append(self._chunk(r, 1))
                 budget -= 1
-        chunks = self._speculate(chunks, budget)  # drafts count against the budget, before waiting prompts
-        budget -= sum(len(c.draft) for c in chunks)
+        if self.speculation is not None:  # drafts count against the budget, before every prompt chunk
+            chunks = self._speculate(chunks, budget)
+            budget -= sum(len(c.draft) for c in chunks)
         new = []
         for r in self.running:  # prompts already started continue in admission order
             if r.in_prompt and budget > 0:

@@ -116,27 +116,32 @@ class Scheduler(ABC):
             req.num_computed += len(ch.tokens) - len(ch.draft) + len(kept)  # rejected drafts' K/V: rolled back
             if ch.draft:
                 self.speculation.observe(req.rid, len(ch.draft), len(kept))
-            if self.blocks is not None:  # kept drafts join the output below: their blocks register next step
+            if self.blocks is not None:  # kept drafts join the output below: they register and slide next step
                 self.blocks.cache(req.rid, req.num_computed - len(kept), req.tokens)
-                self.blocks.slide(req.rid, req.num_computed)
+                self.blocks.slide(req.rid, req.num_computed - len(kept))
             if ch.zombie or not ch.sample or req.status is Status.FINISHED:
                 continue
-            lps = out.accepted_logprobs.get(ch.rid, ((None, None),) * len(kept)) + (
-                out.logprobs.get(ch.rid, (None, None)),)
-            for token, (lp, top) in zip((*kept, out.tokens[ch.rid]), lps):
-                req.output.append(token)
-                req.token_times.append(now)
-                reason = stop_reason(req.params, self.eos_ids, token, len(req.output))
-                if reason:
-                    self._finish(req, reason, now)
-                events.append(StepEvent(req.rid, token, reason, lp, top, cached_tokens=req.num_cached))
-                if reason:
+            lps = out.accepted_logprobs.get(ch.rid) if kept else None
+            for i, token in enumerate(kept):
+                if self._append(req, token, *(lps[i] if lps else (None, None)), now, events):
                     break
+            else:
+                self._append(req, out.tokens[ch.rid], *out.logprobs.get(ch.rid, (None, None)), now, events)
             if ch.draft and self.blocks is not None and req.status is Status.RUNNING:
                 self.blocks.shrink(req.rid, req.num_tokens)  # blocks held for rejected drafts: freed
         if self.blocks is not None:
             self._grow()
         return events
+
+    def _append(self, req: Request, token: int, lp, top, now: float, events: list[StepEvent]) -> bool:
+        """A new output token and its event; True when it ends the request."""
+        req.output.append(token)
+        req.token_times.append(now)
+        reason = stop_reason(req.params, self.eos_ids, token, len(req.output))
+        if reason:
+            self._finish(req, reason, now)
+        events.append(StepEvent(req.rid, token, reason, lp, top, cached_tokens=req.num_cached))
+        return reason is not None
 
     def _grow(self) -> None:
         """Paged KV: every running request, oldest first, gets blocks for all its tokens (the next one's
@@ -174,6 +179,8 @@ class Scheduler(ABC):
     def _close(self, req: Request, reason: str, now: float) -> None:
         req.status, req.finish_reason, req.finish_time = Status.FINISHED, reason, now
         self._finished_since.append(req.rid)
+        if self.speculation is not None:
+            self.speculation.forget(req.rid)
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         """Close a running request; free its place now, or with its whole batch when rows are held."""
@@ -190,8 +197,6 @@ class Scheduler(ABC):
             self.seats.free(req.seat)
         else:
             self.blocks.free(req.rid)
-        if self.speculation is not None:
-            self.speculation.forget(req.rid)
         del self.requests[req.rid]
 
     def _chunk(self, req: Request, limit: int, draft: tuple[int, ...] = ()) -> ScheduledChunk:

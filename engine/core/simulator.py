@@ -84,14 +84,18 @@ class SimRunner:
 
 
 class RateDrafter:
-    """A simulated drafter: k tokens (token 0) for a row with probability `rate` (the measured share of decode rows
-    that got a draft), none otherwise; seeded."""
+    """A simulated drafter: with probability `rate` (the measured share of rows asked that got a draft) a draft of
+    token 0s, `length` long on average (the measured mean: its floor or its ceiling), at most k; none otherwise;
+    seeded (give the runner another seed: its acceptance draws are then not these)."""
 
-    def __init__(self, rate: float, seed: int = 0):
-        self.rate, self._rng = rate, random.Random(seed)
+    def __init__(self, rate: float, length: float, seed: int = 0):
+        self.rate, self.length, self._rng = rate, length, random.Random(seed)
 
     def propose(self, req, k: int) -> tuple[int, ...]:
-        return (0,) * k if self._rng.random() < self.rate else ()
+        if self._rng.random() >= self.rate:
+            return ()
+        n = int(self.length) + (self._rng.random() < self.length - int(self.length))
+        return (0,) * min(k, max(1, n))
 
     def forget(self, rid: str) -> None:
         """Nothing is kept per request."""

@@ -57,6 +57,7 @@ class Speculation:
         if adaptive and cost is None:
             raise ValueError("adaptive speculation needs a step-time cost model")
         self.drafter, self.k_max, self.adaptive, self.cost = drafter, k_max, adaptive, cost
+        self.num_asked = 0             # decode rows with room to draft, asked for a proposal
         self.num_drafts = 0            # rows verified with at least one draft
         self.num_draft_tokens = 0      # tokens drafted and verified
         self.num_accepted = 0          # of which accepted
@@ -87,9 +88,11 @@ class Speculation:
             if c.prompt or c.zombie or not c.sample or len(c.tokens) != 1 or req.params.penalized:
                 continue
             room = min(self.k_max, req.params.max_new_tokens - len(req.output) - 1)
-            proposal = self.drafter.propose(req, room) if room > 0 else ()
-            if proposal:
-                offers[c.rid] = proposal
+            if room > 0:
+                self.num_asked += 1
+                proposal = self.drafter.propose(req, room)
+                if proposal:
+                    offers[c.rid] = proposal
         if not offers:
             return {}
         k = self._choose(chunks, offers) if self.adaptive else self.k_max

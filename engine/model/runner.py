@@ -1,4 +1,5 @@
-"""The model runner: one forward pass per SchedulerOutput, one sampled token per chunk that samples.
+"""The model runner: one forward pass per SchedulerOutput, one sampled token per chunk that samples (a drafted row's
+drafts verified too, its kept ones going back before it).
 
 It never branches on the policy: a decode, a whole prompt and a prompt chunk are chunks of different lengths. It
 picks the step's attention path (engine/model/layers/attention.py) from the step's shape (one per window where layers'
@@ -185,16 +186,23 @@ class ModelRunner:
             self.sampler.forget(rid)
         logits = self._logits(self.inputs(plan))
         rows = [c for c in plan.chunks if c.sample]
-        rids = [c.rid for c in rows for _ in range(1 + len(c.draft))]
+        drafted = any(c.draft for c in rows)
+        rids = [c.rid for c in rows for _ in range(1 + len(c.draft))]  # a logits row per position of a drafted row
         params = [c.params for c in rows for _ in range(1 + len(c.draft))]
-        proposed = [t for c in rows for t in (*c.draft, None)]
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw = logits[asked].float().log_softmax(dim=-1) if asked else None  # before the sampler edits logits
         with torch.profiler.record_function(SAMPLER_SPAN):
             picks = self.sampler(logits, rids, params, {c.rid: c.history for c in rows if c.history is not None},
-                                 proposed)
-        lps = dict(zip(asked, token_logprobs(raw, [picks[i] for i in asked], [params[i].logprobs for i in asked])
-                       if asked else []))
+                                 [t for c in rows for t in (*c.draft, None)] if drafted else None)
+        logprobs = token_logprobs(raw, [picks[i] for i in asked], [params[i].logprobs for i in asked]) if asked else []
+        if not drafted:
+            return RunnerOutput(dict(zip(rids, picks)), dict(zip([rids[i] for i in asked], logprobs)))
+        return self._verified(rows, picks, dict(zip(asked, logprobs)))
+
+    @staticmethod
+    def _verified(rows, picks: list[int], lps: dict) -> RunnerOutput:
+        """Drafted rows: each keeps its drafts up to the first where the target chose otherwise, then that choice
+        (or, all kept, the one after the last); picks and lps (logprobs by logits row) per logits row."""
         tokens, accepted, logprobs, accepted_logprobs, i = {}, {}, {}, {}, 0
         for c in rows:
             n = 0

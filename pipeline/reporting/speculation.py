@@ -31,12 +31,18 @@ def render(result: dict) -> tuple[str, dict]:
     body = markdown(["workload", "B", "k", "TPOT p50 ms (sim)", "TPOT vs k=0", "ITL p99 ms", "tok/s (sim)",
                      "tok/s vs k=0", "accepted / drafted", "tokens per verified row", "rows drafted",
                      "adaptive: steps per k"], table)
-    stops = [f"`{w}`: B = {b}" if b is not None else f"`{w}`: pays at every batch measured"
+    def at(b):
+        return f"B = {b}" if b is not None else "none measured"
+
+    stops = [f"`{w}`: throughput at {at(b['throughput_tok_s'])}, TPOT p50 at {at(b['tpot_p50_ms'])}"
              for w, b in result["stops_paying"].items()]
     fit = result["sim_spearman"]
-    body += ("\n\nSpeculation stops paying (no fixed k beats k = 0's throughput) at " + "; ".join(stops)
-             + f". Simulator against measured over the grid: Spearman {fit['throughput_tok_s']:.2f} (throughput), "
-             f"{fit['tpot_p50_ms']:.2f} (TPOT p50).")
+    differ = [f"{r['workload']} B={r['batch']} k={r['k']}" for r in rows if not r["tokens_equal_k0"]]
+    body += ("\n\nWhere speculation stops paying (the smallest batch at which no fixed k gains 3 % over k = 0): "
+             + "; ".join(stops) + f". Simulator against measured over the grid: Spearman "
+             f"{fit['throughput_tok_s']:.2f} (throughput), {fit['tpot_p50_ms']:.2f} (TPOT p50). Tokens equal to "
+             "k = 0's: " + ("every cell." if not differ else "all but " + ", ".join(differ)
+                            + " (a near-tie the verification rows decided otherwise)."))
     metrics.update({f"speculation.sim_spearman.{m}": round(v, 4) for m, v in fit.items()})
     return body, metrics
 

@@ -1,6 +1,7 @@
 """Gemma 3 (gemma3_text): a tiny random-weight model (conf/model/tiny-gemma3.yaml) whose sliding layers attend a window
 of 6 tokens, shorter than the prompts, around a full layer, gives Hugging Face generate's tokens for every policy on
-the slot cache (native kernels and ATen's operators) and on the paged one (prefix caching, preemption); every config
+the slot cache (native kernels and ATen's operators) and on the paged one (prefix caching, preemption, speculative
+decoding); every config
 field its forward pass does not compute is refused by name. The real Gemma 3 270M, where its packages are installed,
 matches generate too."""
 import importlib.util
@@ -14,6 +15,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
 from engine.core.kv_pools import LayerPools, seat_bytes
+from engine.core.speculation import Speculation
 from engine.factory import build_engine, build_net, load_source
 from engine.model.hf import generate_alone
 from engine.model.loader import prepared, random_model
@@ -193,3 +195,30 @@ def test_real_model_seats_four_times_the_requests_at_8k(real):
     eng = build_engine(net, PolicySpec.of("continuous", 64), 8192, kv=kv)
     assert isinstance(eng.scheduler.blocks, LayerPools)
     assert sum(t.numel() * t.element_size() for t in eng.runner.cache.k + eng.runner.cache.v) <= 512 * 2**20
+
+
+class Oracle:
+    """Drafts the reference's own next tokens: every draft is kept."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def propose(self, req, k):
+        return tuple(self.ref[int(req.rid)][len(req.output):len(req.output) + k])
+
+    def forget(self, rid):
+        pass
+
+
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("policy", PAGED_POLICIES[1:], ids=[p.name for p in PAGED_POLICIES[1:]])
+def test_speculation_on_windowed_pools_matches_generate(paged_references, policy, pool):
+    """Drafts of 8 tokens, all kept: a row keeps more tokens in a step than the window (6) holds, and the windowed
+    pool slides only as far as its blocks have registered; prefix hits still match (run_paged checks the pools after
+    every step)."""
+    model, prompts, ref = paged_references
+    spec = Speculation(Oracle(ref), 8)
+    kv = kv_spec("paged", block_size=BS, num_blocks=POOLS[pool], prefix_caching=True)
+    eng, out, _ = run_paged(model, policy, kv, prompts, PAGED_LENS, PAGED_ARRIVE, speculation=spec)
+    assert [out[str(i)] for i in range(len(ref))] == ref, policy.name
+    assert spec.accepted_per_pos[5] > 0 and eng.scheduler.blocks.hit_tokens > 0  # 6 kept at once: the window
