@@ -183,11 +183,13 @@ class Bench:
         return {"workload": w, "layout": "fleet" if policy else "one server", "router": policy, "threads": threads_,
                 "replicas": reps, **got}
 
-    def fleet_runs(self) -> tuple[list[dict], dict]:
-        """The replicas up: the router's cost at c = 1, then every workload under every policy's router."""
+    def runs(self) -> tuple[list[dict], dict]:
+        """The replicas and the one server up together (it waits idle until its turn): the router's cost at c = 1,
+        every workload under every policy's router, then every workload straight to the one server."""
         cfg, seed = next(iter(self.cfgs.values())), int(self.base.seed)
-        fleet, urls = started([engine_args(cfg, self.one)] * self.replicas,
-                                [f"replica {i}" for i in range(self.replicas)])
+        procs, urls = started([engine_args(cfg, self.one)] * self.replicas + [engine_args(cfg, self.threads)],
+                              [f"replica {i}" for i in range(self.replicas)] + ["one server"])
+        (fleet, urls), (alone, url) = (procs[:-1], urls[:-1]), (procs[-1], urls[-1])
         rows = []
         try:
             procs, (routed,) = started([router_args("round_robin", urls[:1], self.pool_tokens, seed)], ["router"])
@@ -207,16 +209,11 @@ class Bench:
                         rows.append(self.run(routed, w, policy, urls, [p.pid for p in fleet + procs]))
                 finally:
                     stop(*procs)
-        finally:
             stop(*fleet)
-        return rows, cost
-
-    def one_server_runs(self) -> list[dict]:
-        procs, (url,) = started([engine_args(next(iter(self.cfgs.values())), self.threads)], ["one server"])
-        try:
-            return [self.run(url, w, None, [url], [p.pid for p in procs]) for w in self.wls]
+            rows += [self.run(url, w, None, [url], [alone.pid]) for w in self.wls]
         finally:
-            stop(*procs)
+            stop(*[p for p in [*fleet, alone] if p.poll() is None])
+        return rows, cost
 
     def predicted(self, r: dict) -> dict:
         """The fleet simulator's run r (sim_ fields)."""
@@ -232,8 +229,7 @@ class Bench:
 def run_fleet(net, tok_vocab: tuple, base) -> dict:
     """Every measured run and its simulation (bench.fleet); the simulator's agreement on TTFT p99 and p50."""
     b = Bench(net, tok_vocab, base)
-    rows, cost = b.fleet_runs()
-    rows += b.one_server_runs()
+    rows, cost = b.runs()
     for r in rows:
         r.update(b.predicted(r))
     return {"rows": rows, "overhead": cost, "agreement": agreement(rows),

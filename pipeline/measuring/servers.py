@@ -36,18 +36,21 @@ def unkeyed() -> dict:
     return {**os.environ, "LAB_API_KEY": ""}
 
 
-def start(cfg, run, max_request_tokens: int) -> tuple[subprocess.Popen, int]:
-    """The run's server on a free port, once it answers, and the port; an engine server at the run's `precision`
-    (default: cfg's)."""
+def server_args(cfg, run, max_request_tokens: int) -> list[str]:
+    """The conf/ overrides of a run's server: an engine server at the run's `precision` (default: cfg's)."""
     level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else cfg.precision.name
-    args = [f"model={cfg.model.name}", f"precision={level}", f"isa={cfg.isa.name}", f"server={run.server}",
+    return [f"model={cfg.model.name}", f"precision={level}", f"isa={cfg.isa.name}", f"server={run.server}",
             f"server.max_request_tokens={max_request_tokens}", "server.max_waiting=4096",
             "server.max_queue_wait_s=inf",  # closed loops measure queueing: admit everyone
             f"threads={cfg.threads}", f"seed={cfg.seed}",
             *([f"policy={run.policy}", f"policy.max_running={run.max_running}"] if run.server == "engine" else []),
             *[f"{'policy' if run.server == 'engine' else 'server'}.{k}={v}"
               for k, v in (run.get("knobs") or {}).items()]]
-    (proc,), (port,) = serve_all([args], [run.name], unkeyed())
+
+
+def start(cfg, run, max_request_tokens: int) -> tuple[subprocess.Popen, int]:
+    """The run's server on a free port, once it answers, and the port."""
+    (proc,), (port,) = serve_all([server_args(cfg, run, max_request_tokens)], [run.name], unkeyed())
     return proc, port
 
 
@@ -233,33 +236,38 @@ def run_servers(cfg) -> tuple[list[dict], list[pd.DataFrame], dict | None, dict 
                        cfg.seed, b.warm_up_tokens, cfg.measure, api_key=key)
         return r, d, ref, opened, open_recs
     max_request_tokens = 512 + max(b.max_tokens, *b.mixed.max_tokens)
-    ending = []  # the servers stopped: each ends while the next one starts, and is gone before it is measured
+    here = []
     for run in [*b.runs, {**b.break_static, "name": "hf-static (no deadline)"}]:
         run = OmegaConf.create(run) if isinstance(run, dict) else run
         why = level_not_here(cfg, run.precision) if run.get("precision") else None
         if why:
             print(f"{run.name}: not run here: {why}", flush=True)
-            continue
-        proc, port = start(cfg, run, max_request_tokens)
-        reap(ending)
-        ending = [proc]
-        try:
-            url = f"http://127.0.0.1:{port}/v1"
-            r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
-                           run.get("timeout_s", b.timeout_s), slo, cfg.seed,
-                           run.get("warm_up_tokens", b.warm_up_tokens),
-                           cfg.measure, server_pids(proc))
-            if run.get("mixed"):
-                mr, md = measure(url, cfg.model.name, f"{run.name}, mixed lengths", b.mixed.levels, b.mixed.n,
-                                 list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed, b.warm_up_tokens, cfg.measure,
-                                 server_pids(proc))
-                r, d = r + mr, d + md
-        finally:
-            proc.terminate()  # reaped once the next server is up
-        level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else \
-            {"float32": "fp32"}.get(cfg.precision.dtype, cfg.precision.dtype)
-        rows, recs = rows + [{**row, "precision": level} for row in r], recs + d
-    reap(ending)
+        else:
+            here.append(run)
+    # every server started together (their start-up is mostly one thread's imports); each waits idle on its queue
+    # until its turn, and is stopped before the next one is measured
+    procs, ports = serve_all([server_args(cfg, run, max_request_tokens) for run in here], [r.name for r in here],
+                             unkeyed())
+    try:
+        for run, proc, port in zip(here, procs, ports):
+            try:
+                url = f"http://127.0.0.1:{port}/v1"
+                r, d = measure(url, cfg.model.name, run.name, run.levels, run.n, b.max_tokens,
+                               run.get("timeout_s", b.timeout_s), slo, cfg.seed,
+                               run.get("warm_up_tokens", b.warm_up_tokens),
+                               cfg.measure, server_pids(proc))
+                if run.get("mixed"):
+                    mr, md = measure(url, cfg.model.name, f"{run.name}, mixed lengths", b.mixed.levels, b.mixed.n,
+                                     list(b.mixed.max_tokens), b.timeout_s, slo, cfg.seed, b.warm_up_tokens,
+                                     cfg.measure, server_pids(proc))
+                    r, d = r + mr, d + md
+            finally:
+                stop(proc)
+            level = (run.get("precision") or cfg.precision.name) if run.server == "engine" else \
+                {"float32": "fp32"}.get(cfg.precision.dtype, cfg.precision.dtype)
+            rows, recs = rows + [{**row, "precision": level} for row in r], recs + d
+    finally:
+        stop(*[p for p in procs if p.poll() is None])
     c64 = [r for r in rows if r["backend"] == "engine-continuous" and r["concurrency"] == 64]
     if c64:
         ref = {**references(cfg, c64[0]["requests"], int(b.max_tokens), 64), "server_tps": c64[0]["throughput_tps"]}

@@ -13,7 +13,7 @@ from pipeline.config import ROOT
 SMALL = [
     "bench.server.break_static.timeout_s=2",  # the break-it case waits this long for nothing
     "measure.tries=1",  # a measurement disturbed by other work is kept as such, not retried
-    "~computed.dgx-spark", "computed.h100-sxm.requests_scale=0.25",  # one computed GPU report, fewer requests
+    "~computed.dgx-spark",  # one computed GPU report
     "tables=[main,prefill_stall,all_policies,kv_memory,shared_prefix,preemption]",  # a table's stages run one code
     "bench.server.runs=[{name:engine-continuous,server:engine,policy:continuous,max_running:64,levels:[1,64],"
     "n:4,mixed:true}]",  # one engine server, mixed lengths too (the break-it case starts the batcher server)
