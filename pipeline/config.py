@@ -3,6 +3,7 @@ defaults read from its file (conf/ holds every default), and the engine's record
 import copy
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -11,6 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from engine.core.policies import make_scheduler
+from engine.core.simulator import CostModel
 from engine.specs import KVSpec, ModelSpec, PolicySpec, PrecisionSpec, SpeculativeSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,28 +98,19 @@ def speculative_spec(speculative, **given) -> SpeculativeSpec:
     conf/speculative/<method>.yaml; a bad method, field or value fails naming the valid ones."""
     if isinstance(speculative, SpeculativeSpec) and not given:
         return speculative
-    entry = {**({"method": speculative} if isinstance(speculative, str) else _plain(speculative)), **given}
-    full = group_entry("speculative", entry.get("method"))
-    if set(entry) - set(full):
-        raise ValueError(f"speculative {full['method']!r} has no field {sorted(set(entry) - set(full))}; it has "
-                         f"{sorted(full)}")
-    return SpeculativeSpec(**{**full, **entry})
+    return SpeculativeSpec(**_completed("speculative", speculative, given, "field", key="method"))
 
 
 def speculation(cfg, vocab_size: int):
     """The engine's speculative decoding for a composed config (None for method none): the draft model loaded by
     its conf/model name, the fitted cost model read for adaptive k (a missing file fails naming the stage that
     writes it)."""
-    import json
-
     from engine import factory
 
     spec = speculative_spec(cfg.speculative)
     draft = factory.load_source(model_spec(spec.draft_model))[0] if spec.method == "draft" else None
     cost = None
     if spec.adaptive:
-        from engine.core.simulator import CostModel
-
         path = ROOT / spec.cost_model
         if not path.exists():
             raise ValueError(f"speculative.adaptive reads a fitted step-time model: {path} is missing (dvc repro "
@@ -126,13 +119,13 @@ def speculation(cfg, vocab_size: int):
     return factory.build_speculation(spec, vocab_size, draft, cost)
 
 
-def _completed(group: str, entry, given: dict, what: str) -> dict:
-    """A conf/<group> entry (a mapping, or its name) with `given` on top, every key not set taken from
-    conf/<group>/<name>.yaml; a key that file lacks fails naming the ones it has."""
-    entry = {**({"name": entry} if isinstance(entry, str) else _plain(entry)), **given}
-    full = group_entry(group, entry.get("name"))
+def _completed(group: str, entry, given: dict, what: str, key: str = "name") -> dict:
+    """A conf/<group> entry (a mapping, or its `key`: the file's name) with `given` on top, every key not set taken
+    from conf/<group>/<that name>.yaml; a key that file lacks fails naming the ones it has."""
+    entry = {**({key: entry} if isinstance(entry, str) else _plain(entry)), **given}
+    full = group_entry(group, entry.get(key))
     if set(entry) - set(full):
-        raise ValueError(f"{group} {full['name']!r} has no {what} {sorted(set(entry) - set(full))}; it has "
+        raise ValueError(f"{group} {full[key]!r} has no {what} {sorted(set(entry) - set(full))}; it has "
                          f"{sorted(full)}")
     return {**full, **entry}
 

@@ -54,7 +54,6 @@ class Worker(ABC):
         self.num_running = 0
         self.on_step = None                       # ServerMetrics.on_step, called after each forward pass
         self.on_speculation = None                # ServerMetrics.on_speculation, after each step that may draft
-        self._spec_seen = None                    # the speculation counters at the last step
         self.drain_deadline: float | None = None  # time.monotonic() s at which a drain fails what is left
         self.decode_s: float | None = None        # s per decode step (moving average)
         self.prefill_s: float = 0.0               # s per prompt token (moving average)
@@ -124,6 +123,7 @@ class EngineWorker(Worker):
         self.pending: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, max tokens), submitted, not yet queued
         self.ahead: tuple[list[int], list[tuple[int, int]]] = ([], [])  # tokens left per running request;
         # (prompt tokens, max tokens) per queued one; replaced whole by the engine thread after every step
+        self._spec_seen = None                    # the speculation counters at the last step (metrics take deltas)
 
     @property
     def eos_ids(self) -> frozenset:

@@ -11,6 +11,7 @@ step the one k in [0, k_max] for all rows that maximises the expected tokens per
 step-time cost model (engine/core/simulator.py) and each request's measured acceptance rate (SmartSpec's goodput
 rule, arXiv 2406.14066). At a large batch, where extra rows cost as much as new users, it chooses 0 by itself.
 """
+import math
 from collections import Counter
 
 from engine.core.outputs import ScheduledChunk, step_features
@@ -96,12 +97,12 @@ class Speculation:
         if not offers:
             return {}
         k = self._choose(chunks, offers) if self.adaptive else self.k_max
-        out, left = {}, budget
+        out, left = {}, math.inf if budget is None else budget
         for rid, proposal in offers.items():
-            take = min(k, len(proposal), left) if left is not None else min(k, len(proposal))
+            take = min(k, len(proposal), left)
             if take > 0:
                 out[rid] = proposal[:take]
-                left = None if left is None else left - take
+                left -= take
         return out
 
     def _choose(self, chunks: list[ScheduledChunk], offers: dict[str, tuple]) -> int:
