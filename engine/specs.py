@@ -11,6 +11,8 @@ from engine.core.policies import POLICIES
 
 SOURCES = ("random", "gguf", "dir")  # random weights from `config` | a GGUF file of a Python package | a local folder
 WEIGHTS = ("model", "bf16", "gguf")  # how the engine stores the weights
+ACTIVATIONS = ("float32", "int8")  # what a GGUF level's products multiply its weights' codes with
+REQUANTIZE = (None, "q8_0")  # a GGUF level's blocks as stored, or requantized to this format
 DTYPES = ("float32", "bfloat16", "float16")  # a Hugging Face model's dtype
 KV_DTYPES = ("float32", "bfloat16")  # the KV cache's
 KV_NAMES = ("slot", "cat", "paged")
@@ -52,6 +54,8 @@ class PrecisionSpec:
     kv_dtype: str | None = None      # one of KV_DTYPES; None: the activations' dtype
     device: str = "cpu"
     compute: str | None = None       # what the products multiply and sum in (reports)
+    activations: str = "float32"     # one of ACTIVATIONS: int8, x quantized per block as llama.cpp does (gguf)
+    requantize: str | None = None    # one of REQUANTIZE: the GGUF file's blocks requantized once at load (gguf)
     lossy: bool = False              # the level changes values of the model
     compile: bool = False            # decode-only steps through torch.compile
     graphs: bool = False             # those steps padded to few shapes (CUDA graphs on CUDA)
@@ -59,9 +63,14 @@ class PrecisionSpec:
 
     def __post_init__(self):
         for what, value, valid in (("weights", self.weights, WEIGHTS), ("dtype", self.dtype, DTYPES),
-                                   ("kv_dtype", self.kv_dtype, (None, *KV_DTYPES))):
+                                   ("kv_dtype", self.kv_dtype, (None, *KV_DTYPES)),
+                                   ("activations", self.activations, ACTIVATIONS),
+                                   ("requantize", self.requantize, REQUANTIZE)):
             if value not in valid:
                 _refuse(f"precision {self.name}: {what}", value, [v for v in valid if v])
+        if (self.activations != "float32" or self.requantize) and self.weights != "gguf":
+            raise ValueError(f"precision {self.name}: activations {self.activations} and requantize "
+                             f"{self.requantize} act on GGUF blocks; weights is {self.weights!r}, not 'gguf'")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ BUILDS = {"AVX512-VNNI": [*AVX512, "-DLAB_VNNI"],  # Q4_1's integer products (gg
 PRODUCTS = ("in_out", "linear", "packed", "onednn", "q4_1", "q8_0", "bf16", "q4_1_tiles", "q8_0_tiles",
             "bf16_tiles", "q4_1_mm", "q8_0_mm", "bf16_mm", "q4_k", "q5_0", "q6_k", "q4_k_tiles", "q5_0_tiles",
             "q6_k_tiles", "q4_k_mm", "q5_0_mm", "q6_k_mm", "segments",
-            "fp32_tiles")  # lab.layers' kinds (products.h), in order
+            "fp32_tiles", "q4_1_a8", "q8_0_a8", "q4_k_a8", "q5_0_a8", "q6_k_a8")  # lab.layers' kinds (products.h)
 TORCH_HEADERS = ("ATen/Parallel.h", "ATen/core/Tensor.h", "ATen/ops/empty.h", "ATen/ops/addmm.h", "ATen/ops/mm.h",
                  "torch/library.h")  # torch's headers the sources include: parsed once per build (a precompiled header)
 GGUF_FORMATS = ("q4_1", "q8_0", "q4_k", "q5_0", "q6_k")  # the block formats of gguf_blocks.h (ops.h's LAB_GGUF)
@@ -151,7 +151,8 @@ def _register_fakes() -> None:
     fake("lab::token_attention")(lambda q, k, v, spans, rows, scale: q.new_empty(q.shape))
     for f in GGUF_FORMATS:
         fake(f"lab::{f}_pack")(lambda blocks: blocks.new_empty(blocks.shape))
-        for kernel in ("", "_tiles", "_mm"):
+        fake(f"lab::{f}_a8_pack")(lambda blocks: blocks.new_empty(blocks.shape))
+        for kernel in ("", "_tiles", "_mm", "_a8"):
             fake(f"lab::{f}{kernel}_linear")(lambda x, w, bias, residual: x.new_empty(x.shape[0], w.shape[0]))
     fake("lab::layers")(lambda x, *rest: x.new_empty(x.shape))
     fake("lab::bf16_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1], dtype=torch.bfloat16))
@@ -160,7 +161,8 @@ def _register_fakes() -> None:
     fake("lab::bf16_mm_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n, dtype=torch.float32))
     fake("lab::fp32_pack")(lambda w: w.new_empty(-(-w.shape[0] // 16) * 16 * w.shape[1]))
     fake("lab::fp32_tiles_linear")(lambda x, w, n, bias, residual: x.new_empty(x.shape[0], n))
-    fake("lab::q8_0_rows")(lambda w, ids: w.new_empty(ids.shape[0], w.shape[1] // 34 * 32, dtype=torch.float32))
+    for rows in ("q8_0_rows", "q8_0_a8_rows"):
+        fake(f"lab::{rows}")(lambda w, ids: w.new_empty(ids.shape[0], w.shape[1] // 34 * 32, dtype=torch.float32))
 
 
 def ops():

@@ -174,6 +174,9 @@ def choose(groups: dict[tuple, list], device: torch.device, dtype: torch.dtype, 
         if device.type not in ("cpu", "cuda") or small and not remeasure:
             out[shape] = {"choice": default(device, dtype), "ms": None}
             continue
+        if len(runs) == 1:  # one kernel (8-bit products): nothing to choose
+            out[shape] = {"choice": [runs[0]] * len(BUCKETS), "ms": None}
+            continue
         valid = usable(cached.get(entry), runs)
         if remeasure or not valid:
             for m in mats:

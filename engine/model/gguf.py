@@ -2,9 +2,10 @@
 in Hugging Face's order (q and k rows un-permuted as transformers' GGUF loader does, where the architecture stores
 them permuted: engine/model/support.py's gguf_permuted), q/k/v and gate/up concatenated as the engine's layers hold
 them (engine/model/weights.py), parts of different block formats side by side (GgufDense multiplies each in its
-own)."""
+own); or every block requantized once to another format (w8a8: Q8_0, gguf's quantization, bit for bit llama.cpp's
+reference one, of gguf's dequantized weights: what llama-quantize --allow-requantize writes)."""
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 Q = GGMLQuantizationType
 GGUF_KINDS = {Q.Q4_1: "q4_1", Q.Q8_0: "q8_0", Q.Q4_K: "q4_k", Q.Q5_0: "q5_0", Q.Q6_K: "q6_k"}  # the formats read
@@ -16,11 +17,13 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
 
 
-def gguf_layers(path, config, permuted: bool = True) -> tuple[dict, list[dict]]:
+def gguf_layers(path, config, permuted: bool = True, requantize: str | None = None) -> tuple[dict, list[dict]]:
     """({"embed": (blocks, fmt, in)}, per layer {"qkv"|"o"|"gate_up"|"down": (blocks [out, bytes], fmt, in)}) from a
     GGUF file, rows in Hugging Face's order; a concatenated product whose parts differ in format is (the parts'
-    blocks, their formats, in) as tuples. Fails naming any tensor stored in a format it does not read."""
+    blocks, their formats, in) as tuples; requantize: a format of GGUF_KINDS's every block is requantized to. Fails
+    naming any tensor stored in a format it does not read."""
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    to = {v: k for k, v in GGUF_KINDS.items()}.get(requantize)
 
     def read(name: str, heads: int | None = None):
         if name not in tensors:
@@ -32,6 +35,8 @@ def gguf_layers(path, config, permuted: bool = True) -> tuple[dict, list[dict]]:
         blocks = np.asarray(t.data)
         if heads is not None and permuted:
             blocks = _unpermute(blocks, heads)
+        if to is not None and t.tensor_type != to:
+            return quants.quantize(quants.dequantize(blocks, t.tensor_type), to), requantize, int(t.shape[0])
         return blocks, GGUF_KINDS[t.tensor_type], int(t.shape[0])
 
     def joined(*parts):

@@ -102,10 +102,12 @@ def build_layers(net, hf_model, q_scale: float, gguf=None, take: bool = False) -
     (its architecture's); net.ops: the native kernels (engine/kernels/build.py) or None; q_scale: the factor folded
     into the q rows (`scales`); gguf: the GGUF file's path (weights "gguf": the head is the tied embedding's blocks)."""
     m, ops = hf_model.model, net.ops
-    blocks = gguf_layers(gguf, hf_model.config, net.gguf_permuted) if net.weights == "gguf" else None
+    a8 = net.precision.activations == "int8"  # gguf: x quantized to 8 bits per block at each product
+    blocks = (gguf_layers(gguf, hf_model.config, net.gguf_permuted, net.precision.requantize)
+              if net.weights == "gguf" else None)
     make = {"model": lambda w, b=None: Dense(w, b, ops),
             "bf16": lambda w, b=None: Bf16Dense(w, b, ops)}.get(net.weights)
-    lm_head = make(hf_model.lm_head.weight) if make else GgufDense(*blocks[0]["embed"], ops)
+    lm_head = make(hf_model.lm_head.weight) if make else GgufDense(*blocks[0]["embed"], ops, a8=a8)
     if take and hf_model.lm_head.weight is not m.embed_tokens.weight:
         _release([hf_model.lm_head])
     layers = []
@@ -116,7 +118,7 @@ def build_layers(net, hf_model, q_scale: float, gguf=None, take: bool = False) -
                         _concat(make, [mlp.gate_proj, mlp.up_proj]), _concat(make, [mlp.down_proj]))
         else:
             b = blocks[1][i]
-            products = tuple(GgufDense(*b[k], ops, _bias(projs)) for k, projs in (
+            products = tuple(GgufDense(*b[k], ops, _bias(projs), a8=a8) for k, projs in (
                 ("qkv", [a.q_proj, a.k_proj, a.v_proj]), ("o", [a.o_proj]),
                 ("gate_up", [mlp.gate_proj, mlp.up_proj]), ("down", [mlp.down_proj])))
         qkv, o, gate_up, down = products

@@ -2,8 +2,11 @@
 openvino: pipeline/tools/peers/) beside the lab on the same model, machine, concurrencies and requests, back to back
 (reports/peer.json, reports/PEER.md). Servers (llama.cpp, vLLM) are loaded with the lab's closed-loop client like
 the lab's engine server at each of bench.peer.lab_levels; OpenVINO GenAI runs in-process, like the lab's engine
-in-process. A peer that cannot run here gets a row with its own error; the lab's .venv is checked unchanged. Another
-model than the configured default (model=...) writes to reports/models/<model>/ beside its kept reports."""
+in-process; with llama_cpp among the peers, the lab's 8-bit levels against llama.cpp on the same GGUF file at
+temperature 0 (pipeline/tools/peers/agreement.py). A peer that cannot run here gets a row with its own error; the lab's
+.venv is checked unchanged. Another model than the configured default (model=...) writes to reports/models/<model>/
+beside its kept reports."""
+import datetime
 import json
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import measure, requests_for, start, stop
 from pipeline.params import load
 from pipeline.results import write_json, write_text
-from pipeline.tools.peers import llama_cpp, openvino, vllm
+from pipeline.tools.peers import agreement, llama_cpp, openvino, vllm
 from pipeline.tools.peers.inprocess import LAB, engine_loop, lab_engine
 from pipeline.tools.peers.report import render
 from pipeline.tools.peers.venvs import Refused, freeze
@@ -137,12 +140,28 @@ def main(cfg) -> dict:
                        + ", ".join(f"`{n}`" for n in here),
                 "freeze": f"changed: {changed}" if changed else f"unchanged ({len(before)} packages)"}
     env, out = environment(cfg.threads, cfg.precision.device), reports_for(cfg.model.name)
-    prec = accuracy_here(out, env["id"])
+    settings["date"] = datetime.date.today().isoformat()
     write_json(out / "peer.json", {"rows": rows, "refused": refused, "settings": settings, "machine": env})
-    write_text(out / "PEER.md", render(rows, refused, settings, env, prec))
+    if "llama_cpp" in p.peers and p.agreement.levels:
+        try:
+            write_json(out / "agreement.json", agreement.run(cfg))
+        except Refused as exc:
+            write_json(out / "agreement.json", {"rows": [], "refused": str(exc)})
+    rerender(out)
     if changed:
         raise SystemExit(f"the lab's .venv changed while the peers ran: {changed}")
     return settings
+
+
+def rerender(out: Path) -> None:
+    """PEER.md from `out`'s peer.json and agreement.json (the last run of each), the accuracy measured on that
+    machine beside it; nothing before a peer run."""
+    if not (out / "peer.json").exists():
+        return
+    run = json.loads((out / "peer.json").read_text())
+    agree = json.loads((out / "agreement.json").read_text()) if (out / "agreement.json").exists() else None
+    write_text(out / "PEER.md", render(run["rows"], run["refused"], run["settings"], run["machine"],
+                                       accuracy_here(out, run["machine"]["id"]), agree))
 
 
 if __name__ == "__main__":

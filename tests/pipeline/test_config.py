@@ -6,7 +6,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
-from pipeline.config import compose_config
+from pipeline.config import compose_config, precision_spec
 from pipeline.params import PARAMS
 from pipeline.workloads.runs import point_overrides, runs
 
@@ -78,6 +78,11 @@ def test_a_level_the_model_cannot_run_fails_at_composition():
         compose_config(["precision=w4", "model=tiny-chat"])
     assert "smollm2-135m" in str(err.value) and "fp32" in str(err.value) and "w4" not in str(err.value).split(":")[-1]
     assert compose_config(["precision=w4"]).model.source == "gguf"  # the default model has its GGUF file
+    for level in ("w4a8", "w8a8"):  # the 8-bit levels read the same file
+        with pytest.raises(ValueError, match="smollm2-135m"):
+            compose_config([f"precision={level}", "model=tiny-chat"])
+    w8a8 = precision_spec(compose_config(["precision=w8a8"]).precision)
+    assert (w8a8.activations, w8a8.requantize, w8a8.lossy) == ("int8", "q8_0", True)
 
 
 def test_an_edited_params_yaml_fails_the_same_way(tmp_path, monkeypatch):

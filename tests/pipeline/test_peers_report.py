@@ -87,3 +87,25 @@ def test_the_accuracy_column_is_this_machines(tmp_path):
     other = reports / "models" / "other"
     assert peer.accuracy_here(other, "avx2", tmp_path)["from"] == str(other)
     assert peer.accuracy_here(tmp_path / "none", "avx2", tmp_path) is None
+
+
+def test_the_agreement_with_llama_cpp_is_its_own_table_kept_across_rerenders(tmp_path):
+    """PEER.md's 8-bit agreement table (pipeline/tools/peers/agreement.py) comes from agreement.json; re-rendering
+    keeps the last peer run's rows and its date."""
+    agree = {"rows": [{"level": "w4a8", "gguf": "m.Q4_1.gguf", "blocks_equal": True, "requests": 16, "tokens": 64,
+                       "equal": 14, "first_divergences": [9, 40], "first_divergence_median": 24.5}],
+             "settings": {"llama.cpp": "llama-cpp-python 0.3.36's vendored llama.cpp", "isa": "native",
+                          "command": "llama-server -np 1"}}
+    run = {"rows": rows(), "refused": [], "settings": {**settings(), "date": "2026-01-02"},
+           "machine": {"label": "a CPU", "id": "abc"}}
+    (tmp_path / "peer.json").write_text(json.dumps(run))
+    peer.rerender(tmp_path)
+    before = (tmp_path / "PEER.md").read_text()
+    assert "2026-01-02" in before and "temperature 0" not in before
+    (tmp_path / "agreement.json").write_text(json.dumps(agree))
+    peer.rerender(tmp_path)
+    md = (tmp_path / "PEER.md").read_text()
+    assert md.startswith(before.rstrip("\n")) and "| w4a8 | m.Q4_1.gguf | yes | 16 | 64 | 14/16 | 9, 40 |" in md
+    (tmp_path / "agreement.json").write_text(json.dumps({"rows": [], "refused": "llama-quantize failed: x"}))
+    peer.rerender(tmp_path)
+    assert "Not run here: llama-quantize failed: x" in (tmp_path / "PEER.md").read_text()

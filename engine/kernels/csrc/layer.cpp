@@ -65,6 +65,10 @@ static at::Tensor product(int64_t kind, const at::Tensor& x, const at::Tensor& w
   case Q##_MM: {                                                                                               \
     NAMED(#f "_mm_linear");                                                                                    \
     return f##_mm_linear(x, w, bias, residual);                                                                \
+  }                                                                                                            \
+  case Q##_A8: {                                                                                               \
+    NAMED(#f "_a8_linear");                                                                                    \
+    return f##_a8_linear(x, w, bias, residual);                                                                \
   }
     LAB_GGUF(LAB_GGUF_CASES)  // this library's own GGUF products: called directly, named for the profiler
 #undef LAB_GGUF_CASES

@@ -35,11 +35,14 @@ TORCH_LIBRARY(lab, m) {
   m.def(#f "_pack(Tensor blocks) -> Tensor");                                               \
   m.def(#f "_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");        \
   m.def(#f "_tiles_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");  \
-  m.def(#f "_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
+  m.def(#f "_mm_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");   \
+  m.def(#f "_a8_pack(Tensor blocks) -> Tensor");                                            \
+  m.def(#f "_a8_linear(Tensor x, Tensor w, Tensor? bias, Tensor? residual) -> Tensor");
   LAB_GGUF(LAB_GGUF_DEF)
 #undef LAB_GGUF_DEF
   m.def("bf16_mm_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("q8_0_rows(Tensor w, Tensor ids) -> Tensor");
+  m.def("q8_0_a8_rows(Tensor w, Tensor ids) -> Tensor");
   m.def("bf16_pack(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");
   m.def("bf16_tiles_linear(Tensor x, Tensor w, int n, Tensor? bias, Tensor? residual) -> Tensor");  // same sums
@@ -65,11 +68,14 @@ TORCH_LIBRARY_IMPL(lab, CPU, m) {
   m.impl(#f "_pack", f##_pack);                     \
   m.impl(#f "_linear", f##_linear);                 \
   m.impl(#f "_tiles_linear", f##_tiles_linear);     \
-  m.impl(#f "_mm_linear", f##_mm_linear);
+  m.impl(#f "_mm_linear", f##_mm_linear);         \
+  m.impl(#f "_a8_pack", f##_a8_pack);             \
+  m.impl(#f "_a8_linear", f##_a8_linear);
   LAB_GGUF(LAB_GGUF_IMPL)
 #undef LAB_GGUF_IMPL
   m.impl("bf16_mm_linear", bf16_mm_linear);
   m.impl("q8_0_rows", q8_0_rows);
+  m.impl("q8_0_a8_rows", q8_0_a8_rows);
   m.impl("bf16_pack", bf16_pack);
   m.impl("bf16_linear", bf16_linear);
   m.impl("bf16_tiles_linear", bf16_tiles_linear);

@@ -24,17 +24,21 @@ at::Tensor token_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 // q4_1.cpp, q8_0.cpp, q4_k.cpp, q5_0.cpp, q6_k.cpp (their kernels in quant.h): the GGUF block formats' products,
 // X(name, format): for each, name_pack (blocks as stored -> tiles), name_linear (per row of x), name_tiles_linear
-// (tiles dequantized into cache), name_mm_linear (ATen's GEMM)
+// (tiles dequantized into cache), name_mm_linear (ATen's GEMM); and the 8-bit products (a8.h): name_a8_pack (their
+// packing), name_a8_linear (x quantized to 8 bits per block, integer sums)
 #define LAB_GGUF(X) X(q4_1, Q4_1) X(q8_0, Q8_0) X(q4_k, Q4_K) X(q5_0, Q5_0) X(q6_k, Q6_K)
 #define LAB_GGUF_DECLARE(f, Q)                                                                                \
   at::Tensor f##_pack(const at::Tensor& blocks);                                                              \
   at::Tensor f##_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);       \
   at::Tensor f##_tiles_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual); \
-  at::Tensor f##_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
+  at::Tensor f##_mm_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);    \
+  at::Tensor f##_a8_pack(const at::Tensor& blocks);                                                           \
+  at::Tensor f##_a8_linear(const at::Tensor& x, const at::Tensor& w, const Opt& bias, const Opt& residual);
 LAB_GGUF(LAB_GGUF_DECLARE)
 #undef LAB_GGUF_DECLARE
 at::Tensor bf16_mm_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, const Opt& bias, const Opt& residual);
 at::Tensor q8_0_rows(const at::Tensor& w, const at::Tensor& ids);
+at::Tensor q8_0_a8_rows(const at::Tensor& w, const at::Tensor& ids);  // of Q8_0's 8-bit packing
 bool q4_1_fixed_point();  // Q4_1's products run in fixed point (built with LAB_VNNI, on a CPU with AVX512-VNNI)
 
 // bf16.cpp: bf16 products

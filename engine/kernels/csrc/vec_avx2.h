@@ -11,6 +11,7 @@ constexpr const char* ISA = "AVX2";
 constexpr int ACC = 2;
 constexpr int RMAX = 4;
 constexpr int FMA_TILES = 1, FMA_ROWS = 6;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
+constexpr int A8_TILES = 1, A8_ROWS = 4;  // an 8-bit products' kernel's (a8.h): its int32 sums in registers
 struct F {  // rows 0-7 and 8-15
   __m256 a, b;
 };
@@ -75,6 +76,55 @@ ALWAYS_INLINE F bits(const Words& w, int shift, uint32_t mask) {  // each row's 
           _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.b, s), m))};
 }
 
+// I: 16 int32 lanes (rows 0-7 and 8-15); dot4 by vpmaddubsw and vpmaddwd (exact while each pair of byte products
+// is within int16: a8.h's codes are).
+struct I {
+  __m256i a, b;
+};
+#define A8_TARGET
+template <class Op>
+ALWAYS_INLINE I halves_of(I x, I y, const Op& op) { return {op(x.a, y.a), op(x.b, y.b)}; }
+ALWAYS_INLINE I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+ALWAYS_INLINE I iall(int32_t a) { return {_mm256_set1_epi32(a), _mm256_set1_epi32(a)}; }
+ALWAYS_INLINE I iadd(I x, I y) { return halves_of(x, y, [](__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }); }
+ALWAYS_INLINE I isub(I x, I y) { return halves_of(x, y, [](__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }); }
+ALWAYS_INLINE I imul(I x, I y) {
+  return halves_of(x, y, [](__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); });
+}
+ALWAYS_INLINE I ior(I x, I y) { return halves_of(x, y, [](__m256i a, __m256i b) { return _mm256_or_si256(a, b); }); }
+ALWAYS_INLINE I ishl(I x, int n) {
+  const __m128i s = _mm_cvtsi32_si128(n);
+  return {_mm256_sll_epi32(x.a, s), _mm256_sll_epi32(x.b, s)};
+}
+ALWAYS_INLINE I ifield(I x, int shift, uint32_t mask) {  // each lane's (x >> shift) & mask
+  const __m128i s = _mm_cvtsi32_si128(shift);
+  const __m256i m = _mm256_set1_epi32(mask);
+  return {_mm256_and_si256(_mm256_srl_epi32(x.a, s), m), _mm256_and_si256(_mm256_srl_epi32(x.b, s), m)};
+}
+ALWAYS_INLINE I lanes(const uint8_t* p) {  // 16 rows' 4 bytes, a lane each
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+ALWAYS_INLINE I ibytes(const uint8_t* p) {  // 16 int8, a lane each
+  return {_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+ALWAYS_INLINE F ifloat(I x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+ALWAYS_INLINE I four(const int8_t* p) {  // 4 signed bytes, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return iall(v);
+}
+ALWAYS_INLINE I dot4(I acc, I u, I s) {  // + 4 u8 x s8 a lane (each pair's sum within int16)
+  const __m256i one = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(u.a, s.a), one)),
+          _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(u.b, s.b), one))};
+}
+ALWAYS_INLINE I dot4s(I acc, I w, I x) {  // + 4 s8 x s8 a lane: |w| times x signed as w
+  return dot4(acc, {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)},
+              {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)});
+}
+
 // V: a register of W floats.
 struct V {
   __m256 v;
@@ -100,6 +150,11 @@ ALWAYS_INLINE V fma(V a, V b, V c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; } 
 ALWAYS_INLINE V neg(V a) { return {_mm256_xor_ps(_mm256_set1_ps(-0.f), a.v)}; }
 ALWAYS_INLINE V maximum(V a, V b) {  // NaN where either is NaN (all bits set)
   return {_mm256_or_ps(_mm256_max_ps(a.v, b.v), _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q))};
+}
+ALWAYS_INLINE void round_bytes(V a, int8_t* o) {  // o [W]: the lanes rounded to the nearest integer (ties to even),
+  const __m256i i = _mm256_cvtps_epi32(a.v);  // within int8
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(o), _mm_packs_epi16(w, w));
 }
 ALWAYS_INLINE V exp(V a) { return {Sleef_expf8_u10(a.v)}; }  // within 1 ulp
 ALWAYS_INLINE V exp_le0(V a) { return exp(a); }  // for x <= 0

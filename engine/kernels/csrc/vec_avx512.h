@@ -12,6 +12,7 @@ constexpr const char* ISA = "AVX512";
 constexpr int ACC = 4;   // a tile kernel's tiles for one row of x (ACC / rows for more): what the registers hold
 constexpr int RMAX = 8;  // and its rows of x at most
 constexpr int FMA_TILES = 3, FMA_ROWS = 6;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
+constexpr int A8_TILES = 4, A8_ROWS = 2;  // an 8-bit products' kernel's (a8.h): its int32 sums in registers
 
 struct F {
   __m512 v;
@@ -66,10 +67,46 @@ BF16_TARGET ALWAYS_INLINE Pairs pair(const uint16_t* p) {  // one pair, in every
 }
 BF16_TARGET ALWAYS_INLINE F dot_pairs(F acc, Pairs x, Pairs w) { return {_mm512_dpbf16_ps(acc.v, x, w)}; }  // acc + x.w
 
-#if defined(LAB_VNNI)  // Q4_1's integer products: compiled for AVX512-VNNI (VNNI_TARGET), run where the CPU has it
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+// I: 16 int32 lanes, a lane a tile's row (the 8-bit products' sums: a8.h; Q4_1's fixed point: gguf_kernels.h).
+// dot4 is vpdpbusd where the build has VNNI (A8_TARGET: functions calling it are compiled for it), else vpmaddubsw
+// and vpmaddwd (exact while each pair of byte products is within int16: a8.h's codes are).
 using I = __m512i;  // 16 int32 lanes, or 64 bytes
 ALWAYS_INLINE I izero() { return _mm512_setzero_si512(); }
+ALWAYS_INLINE I iall(int32_t a) { return _mm512_set1_epi32(a); }
+ALWAYS_INLINE I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+ALWAYS_INLINE I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+ALWAYS_INLINE I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+ALWAYS_INLINE I ior(I a, I b) { return _mm512_or_si512(a, b); }
+ALWAYS_INLINE I ishl(I a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+ALWAYS_INLINE I ifield(I a, int shift, uint32_t mask) {  // each lane's (a >> shift) & mask
+  return _mm512_and_si512(_mm512_srl_epi32(a, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+}
+ALWAYS_INLINE I lanes(const uint8_t* p) { return _mm512_loadu_si512(p); }  // 16 rows' 4 bytes, a lane each
+ALWAYS_INLINE I ibytes(const uint8_t* p) {  // 16 int8, a lane each
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+ALWAYS_INLINE F ifloat(I a) { return {_mm512_cvtepi32_ps(a)}; }
+ALWAYS_INLINE I four(const int8_t* p) {  // 4 signed bytes, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+#if defined(LAB_VNNI)
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define A8_TARGET VNNI_TARGET
+VNNI_TARGET ALWAYS_INLINE I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // + 4 u8 x s8 a lane
+#else
+#define A8_TARGET
+ALWAYS_INLINE I dot4(I acc, I u, I s) {  // + 4 u8 x s8 a lane (each pair's sum within int16)
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+A8_TARGET ALWAYS_INLINE I dot4s(I acc, I w, I x) {  // + 4 s8 x s8 a lane: |w| times x signed as w
+  const I neg = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  return dot4(acc, _mm512_abs_epi8(w), neg);
+}
+
+#if defined(LAB_VNNI)  // Q4_1's fixed point (gguf_kernels.h): compiled for AVX512-VNNI, run where the CPU has it
 ALWAYS_INLINE float max_abs(F a, F b) {  // the largest |value| of a's and b's lanes
   return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a.v), _mm512_abs_ps(b.v)));
 }
@@ -88,12 +125,6 @@ ALWAYS_INLINE Codes codes(const uint8_t* p) {
   const I c = _mm512_loadu_si512(p), low = _mm512_set1_epi8(0x0F);
   return {_mm512_and_si512(c, low), _mm512_and_si512(_mm512_srli_epi16(c, 4), low)};
 }
-ALWAYS_INLINE I four(const int8_t* p) {  // 4 signed bytes, in every lane
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-VNNI_TARGET ALWAYS_INLINE I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // + 4 u8 x s8 a lane
 ALWAYS_INLINE F limbs(const I (&s)[4]) {  // s0 + 2^8 s1 + 2^16 (s2 + 2^8 s3) in fp32, 2^8-apart pairs exact in int32
   const I s01 = _mm512_add_epi32(s[0], _mm512_slli_epi32(s[1], 8));
   const I s23 = _mm512_add_epi32(s[2], _mm512_slli_epi32(s[3], 8));
@@ -119,6 +150,9 @@ ALWAYS_INLINE V maximum(V a, V b) {  // NaN where either is NaN (all bits set)
   const __mmask16 nan = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
   const __m512 ones = _mm512_castsi512_ps(_mm512_mask_set1_epi32(_mm512_setzero_si512(), nan, -1));
   return {_mm512_or_ps(_mm512_max_ps(a.v, b.v), ones)};
+}
+ALWAYS_INLINE void round_bytes(V a, int8_t* o) {  // o [W]: the lanes rounded to the nearest integer (ties to even),
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a.v)));  // within int8
 }
 ALWAYS_INLINE V exp(V a) { return {Sleef_expf16_u10(a.v)}; }  // within 1 ulp
 // exp(x) for x <= 0 (a score less its row's largest), inlined: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts),

@@ -7,6 +7,7 @@ constexpr const char* ISA = "scalar";
 constexpr int ACC = 1;
 constexpr int RMAX = 1;
 constexpr int FMA_TILES = 1, FMA_ROWS = 1;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
+constexpr int A8_TILES = 1, A8_ROWS = 1;  // an 8-bit products' kernel's (a8.h)
 struct F {
   float v[TILE];
 };
@@ -99,6 +100,66 @@ ALWAYS_INLINE F bits(const Words& w, int shift, uint32_t mask) {  // each row's 
 
 // V: W floats (as wide as ATen's scalar Vectorized<float>: sums in its order).
 constexpr int64_t W = 8;
+// I: 16 int32 lanes, each operation a loop over them.
+struct I {
+  int32_t v[TILE];
+};
+#define A8_TARGET
+template <class Op>
+ALWAYS_INLINE I lanewise(I x, I y, const Op& op) {
+  for (int i = 0; i < TILE; ++i) x.v[i] = op(x.v[i], y.v[i]);
+  return x;
+}
+ALWAYS_INLINE I izero() { return {}; }
+ALWAYS_INLINE I iall(int32_t a) {
+  I x;
+  std::fill_n(x.v, TILE, a);
+  return x;
+}
+ALWAYS_INLINE I iadd(I x, I y) { return lanewise(x, y, [](int32_t a, int32_t b) { return a + b; }); }
+ALWAYS_INLINE I isub(I x, I y) { return lanewise(x, y, [](int32_t a, int32_t b) { return a - b; }); }
+ALWAYS_INLINE I imul(I x, I y) { return lanewise(x, y, [](int32_t a, int32_t b) { return a * b; }); }
+ALWAYS_INLINE I ior(I x, I y) { return lanewise(x, y, [](int32_t a, int32_t b) { return a | b; }); }
+ALWAYS_INLINE I ishl(I x, int n) {
+  for (int i = 0; i < TILE; ++i) x.v[i] = static_cast<int32_t>(static_cast<uint32_t>(x.v[i]) << n);
+  return x;
+}
+ALWAYS_INLINE I ifield(I x, int shift, uint32_t mask) {  // each lane's (x >> shift) & mask
+  for (int i = 0; i < TILE; ++i) x.v[i] = static_cast<int32_t>(static_cast<uint32_t>(x.v[i]) >> shift & mask);
+  return x;
+}
+ALWAYS_INLINE I lanes(const uint8_t* p) {  // 16 rows' 4 bytes (little-endian), a lane each
+  I x;
+  std::memcpy(x.v, p, 4 * TILE);
+  return x;
+}
+ALWAYS_INLINE I ibytes(const uint8_t* p) {  // 16 int8, a lane each
+  I x;
+  for (int i = 0; i < TILE; ++i) x.v[i] = static_cast<int8_t>(p[i]);
+  return x;
+}
+ALWAYS_INLINE F ifloat(I x) {
+  F f;
+  for (int i = 0; i < TILE; ++i) f.v[i] = static_cast<float>(x.v[i]);
+  return f;
+}
+ALWAYS_INLINE I four(const int8_t* p) {  // 4 signed bytes, in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return iall(v);
+}
+template <bool SIGNED>
+ALWAYS_INLINE I dot(I acc, I w, I x) {  // + 4 byte products a lane (w's bytes unsigned or signed, x's signed)
+  for (int i = 0; i < TILE; ++i)
+    for (int b = 0; b < 4; ++b) {
+      const int32_t u = static_cast<int32_t>(static_cast<uint32_t>(w.v[i]) >> 8 * b & 0xFF);
+      acc.v[i] += (SIGNED ? static_cast<int8_t>(u) : u) * static_cast<int8_t>(x.v[i] >> 8 * b & 0xFF);
+    }
+  return acc;
+}
+ALWAYS_INLINE I dot4(I acc, I u, I s) { return dot<false>(acc, u, s); }
+ALWAYS_INLINE I dot4s(I acc, I w, I x) { return dot<true>(acc, w, x); }
+
 struct V {
   float v[W];
 };
@@ -136,6 +197,9 @@ ALWAYS_INLINE V fma(V a, V b, V c) { return add(mul(a, b), c); }  // a * b + c, 
 ALWAYS_INLINE V neg(V a) { return each(a, a, [](float x, float) { return -x; }); }
 ALWAYS_INLINE float maximum(float x, float y) { return std::isnan(x) ? x : x > y ? x : y; }  // NaN wins
 ALWAYS_INLINE V maximum(V a, V b) { return each(a, b, [](float x, float y) { return maximum(x, y); }); }
+ALWAYS_INLINE void round_bytes(V a, int8_t* o) {  // o [W]: the lanes rounded to the nearest integer (ties to even)
+  for (int64_t i = 0; i < W; ++i) o[i] = static_cast<int8_t>(std::nearbyint(a.v[i]));
+}
 ALWAYS_INLINE V exp(V a) { return each(a, a, [](float x, float) { return std::exp(x); }); }
 ALWAYS_INLINE V exp_le0(V a) { return exp(a); }  // for x <= 0
 ALWAYS_INLINE float sum(V a) {  // lane after lane, as ATen's vec_reduce_all

@@ -13,7 +13,9 @@ GgufDense: a GGUF file's blocks as stored (Q4_1, Q8_0, Q5_0, Q4_K, Q6_K; the par
   its own), products by the native kernels (engine/kernels/csrc/quant.h), which dequantize in registers (the very
   values the fp32 copy holds) and sum in fp32; on a CPU with AVX512-VNNI Q4_1 sums each block's codes times x exactly
   in integers, x in 30-bit fixed point per block of 32; or dequantize a group of tiles into cache for an fp32 FMA
-  kernel; the kernel chosen per row bucket.
+  kernel; the kernel chosen per row bucket. With 8-bit activations (a8: levels w4a8, w8a8), x is quantized per block
+  as llama.cpp quantizes it and each block's codes are summed in int32 (engine/kernels/csrc/a8.h): one kernel at
+  every row count.
 """
 import itertools
 from abc import ABC, abstractmethod
@@ -175,15 +177,17 @@ class GgufDense(Linear):
     tiles dequantized once into the thread's cache, then an fp32 FMA kernel against every row: faster where the
     products are compute-bound) or `fmt`_mm (the weights dequantized whole for ATen's (MKL's) GEMM: for prefills).
     Parts of different formats (`blocks` and `fmt` tuples, rows one after another) are one product: each part's
-    kernel gives its columns (candidates "q5_0+q8_0", "q5_0_tiles+q8_0_tiles"...: the same kernel for every part)."""
+    kernel gives its columns (candidates "q5_0+q8_0", "q5_0_tiles+q8_0_tiles"...: the same kernel for every part).
+    a8: x quantized to 8 bits per block, integer sums (`fmt`_a8, the one candidate, on blocks packed for it)."""
 
-    def __init__(self, blocks, fmt, in_features: int, ops, bias: torch.Tensor | None = None):
+    def __init__(self, blocks, fmt, in_features: int, ops, bias: torch.Tensor | None = None, a8: bool = False):
         parts = list(zip(blocks, fmt)) if isinstance(fmt, tuple) else [(blocks, fmt)]
         parts = [(np.concatenate([b for b, _ in run]), f)  # neighbours of one format: one part
                  for f, run in ((f, list(run)) for f, run in itertools.groupby(parts, key=lambda p: p[1]))]
-        self.fmts, self.fmt, self.ops = tuple(f for _, f in parts), "+".join(f for _, f in parts), ops
+        self.fmts, self.fmt, self.ops, self.a8 = tuple(f for _, f in parts), "+".join(f for _, f in parts), ops, a8
         self.bias = None if bias is None else bias.detach().float()
-        packed = [getattr(ops, f"{f}_pack")(torch.from_numpy(np.array(b, copy=True))) for b, f in parts]
+        pack = "_a8_pack" if a8 else "_pack"
+        packed = [getattr(ops, f + pack)(torch.from_numpy(np.array(b, copy=True))) for b, f in parts]
         self.packed = packed[0] if len(packed) == 1 else torch.cat([p.flatten() for p in packed])  # one buffer
         self.views, self.columns, offset = [], [0], 0  # each part's packed blocks in it; its first column
         for p in packed:
@@ -193,7 +197,8 @@ class GgufDense(Linear):
         self.shape = torch.Size((in_features, self.columns[-1]))  # (in, out)
         self.dtype, self.device = torch.float32, torch.device("cpu")  # what goes in and comes out
         self.family = self.fmt  # choice.py measures the candidates:
-        self.candidates = tuple("+".join(f + k for f in self.fmts) for k in ("", "_tiles", "_mm"))
+        kinds = ("_a8",) if a8 else ("", "_tiles", "_mm")
+        self.candidates = tuple("+".join(f + k for f in self.fmts) for k in kinds)
         self._ops = {c: [getattr(ops, f"{n}_linear") for n in c.split("+")] for c in self.candidates}  # looked up once
         self._tables = {}  # candidate -> lab.layers' table of parts (segments)
         self.products = [self.candidates[0]] * len(BUCKETS)
@@ -212,6 +217,11 @@ class GgufDense(Linear):
 
     @property
     def arithmetic(self) -> str:
+        if self.a8:
+            caps = build.capabilities()
+            dot = "vpdpbusd" if caps["q4_1_vnni"] else "scalar" if caps["isa"] == "scalar" else "vpmaddubsw"
+            return (f"{self.fmt}: x quantized to 8 bits per block as llama.cpp quantizes it, integer sums ({dot}, "
+                    f"{caps['isa']}), fp32 scaling")
         parts, own = [], set(self.products)
         if self.candidates[0] in own:
             parts.append("x in 30-bit fixed point per block of 32, exact integer sums (AVX512-VNNI), fp32 scaling"
@@ -222,7 +232,8 @@ class GgufDense(Linear):
 
     def kernel(self, bucket: int) -> str:
         name = self.products[bucket]
-        return f"{name} (AVX512-VNNI)" if name == "q4_1" and self._fixed_point else name
+        vnni = (name == "q4_1" and self._fixed_point) or (self.a8 and build.capabilities()["q4_1_vnni"])
+        return f"{name} (AVX512-VNNI)" if vnni else name
 
     def lab_args(self, bucket: int) -> tuple:
         name = self.products[bucket]
@@ -244,4 +255,4 @@ class GgufDense(Linear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (an embedding lookup), fp32."""
-        return self.ops.q8_0_rows(self.packed, ids)
+        return (self.ops.q8_0_a8_rows if self.a8 else self.ops.q8_0_rows)(self.packed, ids)

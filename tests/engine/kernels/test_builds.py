@@ -15,7 +15,7 @@ from engine.kernels import build as native
 
 HERE = Path(__file__).parent
 KERNEL_TESTS = ("test_native.py", "test_attention.py", "test_quant.py", "test_kquants.py", "test_kv_dtype.py",
-                "test_bf16_cpu.py")  # under every build
+                "test_bf16_cpu.py", "test_a8.py")  # under every build
 
 
 OWN = os.environ.get(native.BUILD_VAR) or native.builds()[0]  # the suite's own build: its kernel tests ran already

@@ -127,3 +127,28 @@ def test_real_model_blocks_are_the_prepared_weights_and_the_scenario_holds(smoll
     for policy in (POLICIES[0], POLICIES[4], POLICIES[6]):  # naive, continuous, chunked
         out = run_scenario(net, policy, prompts, LENS, ARRIVE)
         assert agrees(model, prompts, ref, out) == [], policy.name
+
+
+@pytest.mark.parametrize("level", [PrecisionSpec("w4a8", weights="gguf", activations="int8"),
+                                   PrecisionSpec("w8a8", weights="gguf", activations="int8", requantize="q8_0")],
+                         ids=["w4a8", "w8a8"])
+def test_8_bit_levels_give_a_request_its_tokens_alone_under_every_policy(tiny_gguf, level):
+    """x quantized per block, integer sums (engine/kernels/csrc/a8.h): a row's products do not depend on the rows
+    beside it, so every policy gives each request the tokens it gets alone; w8a8 holds Q8_0 blocks throughout."""
+    model, path = tiny_gguf
+    net = build_net(model, level, path)
+    assert {f for d in net.products for f in d.fmts} == ({"q8_0"} if level.requantize else {"q4_1", "q8_0"})
+    assert all(d.products == [f"{d.fmt}_a8"] * len(d.products) for d in net.products)
+    prompts = scenario_prompts(model, None)
+    alone = run_scenario(net, POLICIES[0], prompts, LENS, ARRIVE)
+    assert alone != run_scenario(build_net(model, PrecisionSpec(weights="gguf"), path), POLICIES[0], prompts, LENS,
+                                 ARRIVE)  # lossy: the tiny model's tokens move
+    for policy in POLICIES[1:]:
+        assert run_scenario(net, policy, prompts, LENS, ARRIVE) == alone, policy.name
+
+
+def test_activations_and_requantize_need_gguf_weights():
+    with pytest.raises(ValueError, match="act on GGUF blocks"):
+        PrecisionSpec("x", weights="bf16", activations="int8")
+    with pytest.raises(ValueError, match="requantize"):
+        PrecisionSpec("x", weights="gguf", requantize="q4_0")
