@@ -93,7 +93,8 @@ def test_the_agreement_with_llama_cpp_is_its_own_table_kept_across_rerenders(tmp
     """PEER.md's 8-bit agreement table (pipeline/tools/peers/agreement.py) comes from agreement.json; re-rendering
     keeps the last peer run's rows and its date."""
     agree = {"rows": [{"level": "w4a8", "gguf": "m.Q4_1.gguf", "blocks_equal": True, "requests": 16, "tokens": 64,
-                       "equal": 14, "first_divergences": [9, 40], "first_divergence_median": 24.5}],
+                       "equal": 14, "first_divergences": [9, 40],
+                       "floor": {"build": "AVX2", "equal": 15, "first_divergences": [3]}}],
              "settings": {"llama.cpp": "llama-cpp-python 0.3.36's vendored llama.cpp", "isa": "native",
                           "command": "llama-server -np 1"}}
     run = {"rows": rows(), "refused": [], "settings": {**settings(), "date": "2026-01-02"},
@@ -105,7 +106,8 @@ def test_the_agreement_with_llama_cpp_is_its_own_table_kept_across_rerenders(tmp
     (tmp_path / "agreement.json").write_text(json.dumps(agree))
     peer.rerender(tmp_path)
     md = (tmp_path / "PEER.md").read_text()
-    assert md.startswith(before.rstrip("\n")) and "| w4a8 | m.Q4_1.gguf | yes | 16 | 64 | 14/16 | 9, 40 |" in md
+    assert md.startswith(before.rstrip("\n"))
+    assert "| w4a8 | m.Q4_1.gguf | yes | 16 x 64 | 14/16 | 9, 40 | AVX2 | 15/16 | 3 |" in md
     (tmp_path / "agreement.json").write_text(json.dumps({"rows": [], "refused": "llama-quantize failed: x"}))
     peer.rerender(tmp_path)
     assert "Not run here: llama-quantize failed: x" in (tmp_path / "PEER.md").read_text()

@@ -5,18 +5,25 @@ blocks are checked equal to those the lab requantizes to at load. Both sides gre
 ignore_eos, on the same prompt ids (bench.peer.agreement: how many, how long); llama-server with one slot, its K/V
 cache in f32 and flash attention off (the lab's fp32 cache and attention), prompt caching off. Each product's
 activations are quantized alike and its integer sums are exact on both sides, so what may still differ is the order
-of the fp32 sums (and of attention's): tokens equal up to where that order tips a near-tie."""
+of the fp32 sums (norms, attention, scaling): a difference of one rounding can move an activation across a rounding
+boundary of its 8-bit grid, and the tokens apart. The lab's own floor beside it: the same level under another
+instruction-set build of its kernels (the integer sums the same, the fp32 sums in another order)."""
+import json
 import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from engine.children import dies_with_parent
+from engine.kernels import BUILD_VAR
+from engine.kernels import build as native
 from engine.model.gguf import gguf_layers
 from engine.model.loader import gguf_path
-from pipeline.config import compose_config, load_source
+from pipeline.config import compose_config, load_source, precision_spec
 from pipeline.measuring.accuracy import greedy_agreement
 from pipeline.measuring.servers import free_port, requests_for, stop
 from pipeline.params import load
@@ -27,6 +34,9 @@ from pipeline.tools.peers.venvs import PEERS, Refused, reason
 from pipeline.workloads.prompts import chat_ids
 
 QUANTIZE = {"w4a8": None, "w8a8": "Q8_0"}  # level -> the type llama-quantize writes its file in (None: as shipped)
+FLOOR = ("import json, sys; from pipeline.config import compose_config; from pipeline.tools.peers.agreement import "
+         "lab_tokens; a = json.load(open(sys.argv[1])); json.dump(lab_tokens(compose_config(a['overrides']), "
+         "a['level'], a['prompts'], a['tokens']), open(sys.argv[2], 'w'))")  # lab_tokens in a process of its own
 
 
 def level_file(binary: Path, src: Path, qtype: str | None) -> Path:
@@ -73,6 +83,38 @@ def llama_greedy(binary: Path, gguf: Path, prompts: list[list[int]], tokens: int
         stop(proc)
 
 
+def lab_tokens(cfg, level: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """The lab's greedy tokens at `level`, one request at a time, under ignore_eos."""
+    eng = lab_engine(cfg, level, 1, max(map(len, prompts)) + tokens)
+    return [r["tokens"] for r in engine_loop(eng, prompts, 1, tokens)["records"]]
+
+
+def floor_build() -> str | None:
+    """Another build of the kernels this CPU runs whose fp32 sums go in another order (another vector width): AVX2
+    beside an AVX-512 build, scalar beside AVX2; None on a scalar-only CPU."""
+    own = (os.environ.get(BUILD_VAR) or native.builds()[0]).split("-")[0]
+    return next((b for b in native.builds() if b.split("-")[0] != own and b != "AVX512"), None)
+
+
+def floor_tokens(cfg, level: str, prompts: list[list[int]], tokens: int, build: str) -> list[list[int]]:
+    """lab_tokens under the kernels' build `build` (a process of its own: a process loads one build)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args, out = Path(tmp) / "args.json", Path(tmp) / "tokens.json"
+        args.write_text(json.dumps({"overrides": [f"model={cfg.model.name}", f"threads={cfg.threads}"],
+                                    "level": level, "prompts": prompts, "tokens": tokens}))
+        done = subprocess.run([sys.executable, "-c", FLOOR, str(args), str(out)], env={**os.environ, BUILD_VAR: build},
+                              capture_output=True, text=True, preexec_fn=dies_with_parent(), check=False)
+        if done.returncode:
+            raise RuntimeError(f"the {build} build's run failed: {done.stderr[-2000:]}")
+        return json.loads(out.read_text())
+
+
+def divergence(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Equal requests and where the others first diverge (token index)."""
+    g = greedy_agreement(ref, got)
+    return {"equal": round(g["greedy_exact"] * len(ref)), "first_divergences": g["first_divergences"]}
+
+
 def run(cfg) -> dict:
     """{"rows": per level, its file and the agreement; "settings"}: bench.peer.agreement's prompts on both sides."""
     a, p = cfg.bench.peer.agreement, cfg.bench.peer
@@ -81,19 +123,17 @@ def run(cfg) -> dict:
     fp32 = compose_config([f"model={cfg.model.name}", "precision=fp32"])
     source, tok = load_source(fp32)
     prompts = [chat_ids(tok, text) for text, _ in requests_for(int(a.prompts), int(a.tokens), cfg.seed)]
-    src, rows = gguf_path(cfg.model.package, cfg.model.gguf_file), []
+    src, rows, build = gguf_path(cfg.model.package, cfg.model.gguf_file), [], floor_build()
     for level in a.levels:
-        requantize = compose_config([f"model={cfg.model.name}", f"precision={level}"]).precision.requantize
+        requantize = precision_spec(level).requantize
         gguf = level_file(binary, src, QUANTIZE[level])
         theirs = llama_greedy(binary, gguf, prompts, int(a.tokens), int(cfg.threads))
-        eng = lab_engine(cfg, level, 1, max(map(len, prompts)) + int(a.tokens))
-        mine = [r["tokens"] for r in engine_loop(eng, prompts, 1, int(a.tokens))["records"]]
-        got = greedy_agreement(theirs, mine)
-        first = got["first_divergences"]
+        mine = lab_tokens(cfg, level, prompts, int(a.tokens))
+        floor = {"build": build, **divergence(mine, floor_tokens(cfg, level, prompts, int(a.tokens), build))} \
+            if build else None
         rows.append({"level": level, "gguf": gguf.name, "blocks_equal": bool(same_blocks(
             src, gguf, source.config, requantize)), "requests": len(prompts), "tokens": int(a.tokens),
-            "equal": round(got["greedy_exact"] * len(prompts)), "first_divergences": first,
-            "first_divergence_median": float(np.median(first)) if first else None})
+            **divergence(theirs, mine), "floor": floor})
     return {"rows": rows, "settings": {"llama.cpp": f"llama-cpp-python {p.llama_cpp.version}'s vendored llama.cpp",
                                        "isa": cfg.isa.name, "command": "llama-server -np 1 -ctk f32 -ctv f32 -fa off "
                                        "--no-cache-prompt; /completion temperature 0, ignore_eos"}}

@@ -72,12 +72,18 @@ def agreement_lines(agree: dict) -> list[str]:
         return lines + [f"Not run here: {cell(agree.get('refused', 'no level'))}"]
     s = agree["settings"]
     lines += [f"Both sides greedy, one request at a time, the same prompt ids; {s['llama.cpp']} ({s['isa']}): "
-              f"`{s['command']}`. Measured.", "",
-              "| lab level | GGUF file | blocks equal to the lab's | requests | tokens each | equal requests | "
-              "first divergences (token index) |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['level']} | {r['gguf']} | {'yes' if r['blocks_equal'] else 'no'} | {r['requests']} | "
-              f"{r['tokens']} | {r['equal']}/{r['requests']} | "
-              f"{', '.join(map(str, r['first_divergences'])) or 'none'} |" for r in agree["rows"]]
+              f"`{s['command']}`. Beside it the lab's own floor: the same level under another build of its kernels "
+              "(the integer sums the same, the fp32 sums in another order). Measured.", "",
+              "| lab level | GGUF file | blocks equal to the lab's | requests x tokens | llama.cpp: equal requests | "
+              "llama.cpp: first divergences | floor: build | floor: equal requests | floor: first divergences |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in agree["rows"]:
+        f = r["floor"]
+        floor = (f"{f['build']} | {f['equal']}/{r['requests']} | "
+                 f"{', '.join(map(str, f['first_divergences'])) or 'none'}" if f else "none here | | ")
+        lines.append(f"| {r['level']} | {r['gguf']} | {'yes' if r['blocks_equal'] else 'no'} | {r['requests']} x "
+                     f"{r['tokens']} | {r['equal']}/{r['requests']} | "
+                     f"{', '.join(map(str, r['first_divergences'])) or 'none'} | {floor} |")
     return lines
 
 
