@@ -7,43 +7,25 @@ temperature 0 (pipeline/tools/peers/agreement.py). A peer that cannot run here g
 .venv is checked unchanged. Another model than the configured default (model=...) writes to reports/models/<model>/
 beside its kept reports."""
 import datetime
-import json
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from engine import threads
-from pipeline.config import ROOT, build_net, compose_config, load_source
+from pipeline.config import build_net, compose_config, load_source
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import measure, requests_for, start, stop
 from pipeline.params import load
-from pipeline.results import write_json, write_text
+from pipeline.results import write_json
 from pipeline.tools.peers import agreement, llama_cpp, openvino, vllm
 from pipeline.tools.peers.inprocess import LAB, engine_loop, lab_engine
-from pipeline.tools.peers.report import render
+from pipeline.tools.peers.report import reports_for, rerender
 from pipeline.tools.peers.venvs import Refused, freeze
 from pipeline.workloads.prompts import chat_ids
 from pipeline.workloads.runs import level_not_here
 
 PEERS = {"llama_cpp": llama_cpp.NAME, "vllm": vllm.NAME, "openvino": openvino.NAME}  # bench.peer.peers -> name
 SERVER = "lab (engine server)"
-
-
-def reports_for(model: str) -> Path:
-    """Where a model's peer report goes: reports/ for the configured default, else reports/models/<model>/."""
-    default = compose_config([]).model.name
-    return ROOT / "reports" if model == default else ROOT / "reports" / "models" / model
-
-
-def accuracy_here(out: Path, machine_id: str, root: Path = ROOT) -> dict | None:
-    """The precision.json measured on this machine (an isa level's run counts as its own machine): `out`'s, else, for
-    the default model (out: reports/), the one pipeline.tools.keep_reports kept in reports/machines/<machine_id>/;
-    `out`'s when neither is this machine's, None where there is none."""
-    paths = [out / "precision.json"] + ([root / "reports" / "machines" / machine_id / "precision.json"]
-                                        if out == root / "reports" else [])
-    found = [json.loads(f.read_text()) for f in paths if f.exists()]
-    return next((p for p in found if p.get("machine", {}).get("id") == machine_id), found[0] if found else None)
 
 
 def refusal(backend: str, precision: str, mode: str, why) -> dict:
@@ -151,17 +133,6 @@ def main(cfg) -> dict:
     if changed:
         raise SystemExit(f"the lab's .venv changed while the peers ran: {changed}")
     return settings
-
-
-def rerender(out: Path) -> None:
-    """PEER.md from `out`'s peer.json and agreement.json (the last run of each), the accuracy measured on that
-    machine beside it; nothing before a peer run."""
-    if not (out / "peer.json").exists():
-        return
-    run = json.loads((out / "peer.json").read_text())
-    agree = json.loads((out / "agreement.json").read_text()) if (out / "agreement.json").exists() else None
-    write_text(out / "PEER.md", render(run["rows"], run["refused"], run["settings"], run["machine"],
-                                       accuracy_here(out, run["machine"]["id"]), agree))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.config import ROOT
-from pipeline.tools import peer
-from pipeline.tools.peers import llama_cpp
+from pipeline.tools.peers import llama_cpp, report
 
 AVX512 = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8"}
 
@@ -91,5 +90,5 @@ def test_the_server_runs_continuous_batching_without_a_prompt_cache(tmp_path):
 def test_the_peer_names_the_files_quantization_and_another_model_reports_beside_its_own():
     assert llama_cpp.precision_of("SmolLM2-135M-Instruct.Q4_1.gguf") == "Q4_1 (llama.cpp)"
     assert llama_cpp.precision_of("gemma-3-270m-q4_k_m.gguf") == "Q4_K_M (llama.cpp)"
-    assert peer.reports_for("smollm2-135m") == ROOT / "reports"
-    assert peer.reports_for("gemma3-270m") == ROOT / "reports" / "models" / "gemma3-270m"
+    assert report.reports_for("smollm2-135m") == ROOT / "reports"
+    assert report.reports_for("gemma3-270m") == ROOT / "reports" / "models" / "gemma3-270m"

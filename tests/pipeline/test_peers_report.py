@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config import ROOT, compose_config
 from pipeline.tools import peer
-from pipeline.tools.peers.report import ratios, render, shown
+from pipeline.tools.peers.report import accuracy_here, ratios, render, rerender, shown
 
 ROW = {"requests": 4, "complete": 4, "ttft_p50_s": 0.2, "ttft_p99_s": 0.3, "per_stream_tps": 50.0, "errors": 0}
 
@@ -82,11 +82,11 @@ def test_the_accuracy_column_is_this_machines(tmp_path):
     for path, machine in ((reports, "native"), (reports / "machines" / "avx2", "avx2"),
                           (reports / "models" / "other", "native")):
         (path / "precision.json").write_text(json.dumps({"machine": {"id": machine}, "from": str(path)}))
-    assert peer.accuracy_here(reports, "native", tmp_path)["from"] == str(reports)
-    assert peer.accuracy_here(reports, "avx2", tmp_path)["from"] == str(reports / "machines" / "avx2")
+    assert accuracy_here(reports, "native", tmp_path)["from"] == str(reports)
+    assert accuracy_here(reports, "avx2", tmp_path)["from"] == str(reports / "machines" / "avx2")
     other = reports / "models" / "other"
-    assert peer.accuracy_here(other, "avx2", tmp_path)["from"] == str(other)
-    assert peer.accuracy_here(tmp_path / "none", "avx2", tmp_path) is None
+    assert accuracy_here(other, "avx2", tmp_path)["from"] == str(other)
+    assert accuracy_here(tmp_path / "none", "avx2", tmp_path) is None
 
 
 def test_the_agreement_with_llama_cpp_is_its_own_table_kept_across_rerenders(tmp_path):
@@ -100,14 +100,14 @@ def test_the_agreement_with_llama_cpp_is_its_own_table_kept_across_rerenders(tmp
     run = {"rows": rows(), "refused": [], "settings": {**settings(), "date": "2026-01-02"},
            "machine": {"label": "a CPU", "id": "abc"}}
     (tmp_path / "peer.json").write_text(json.dumps(run))
-    peer.rerender(tmp_path)
+    rerender(tmp_path)
     before = (tmp_path / "PEER.md").read_text()
     assert "2026-01-02" in before and "temperature 0" not in before
     (tmp_path / "agreement.json").write_text(json.dumps(agree))
-    peer.rerender(tmp_path)
+    rerender(tmp_path)
     md = (tmp_path / "PEER.md").read_text()
     assert md.startswith(before.rstrip("\n"))
     assert "| w4a8 | m.Q4_1.gguf | yes | 16 x 64 | 14/16 | 9, 40 | AVX2 | 15/16 | 3 |" in md
     (tmp_path / "agreement.json").write_text(json.dumps({"rows": [], "refused": "llama-quantize failed: x"}))
-    peer.rerender(tmp_path)
+    rerender(tmp_path)
     assert "Not run here: llama-quantize failed: x" in (tmp_path / "PEER.md").read_text()

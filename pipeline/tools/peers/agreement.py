@@ -30,6 +30,7 @@ from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.tools.peers import llama_cpp
 from pipeline.tools.peers.inprocess import engine_loop, lab_engine
+from pipeline.tools.peers.report import reports_for, rerender
 from pipeline.tools.peers.venvs import PEERS, Refused, reason
 from pipeline.workloads.prompts import chat_ids
 
@@ -140,8 +141,6 @@ def run(cfg) -> dict:
 
 
 def main(cfg) -> dict:
-    from pipeline.tools.peer import reports_for, rerender
-
     got = run(cfg)
     out = reports_for(cfg.model.name)
     write_json(out / "agreement.json", got)

@@ -1,11 +1,14 @@
 """PEER.md: one table of every peer's and every lab level's rows (a peer that could not run: a row with its own
 reason), the peers' versions and commands, and lab / best peer at each concurrency, server against server and
-in-process against in-process."""
+in-process against in-process; re-rendered from peer.json and agreement.json, the accuracy measured on the run's
+machine beside it."""
 import datetime
+import json
 from pathlib import Path
 
-from pipeline.config import ROOT
+from pipeline.config import ROOT, compose_config
 from pipeline.reporting.tables import accuracy_of, fmt
+from pipeline.results import write_text
 
 LAB = "lab"  # the lab's rows' backend prefix: "lab (engine server)", "lab (engine in-process)"
 CODE = ("command", "cmake", "export", "environment")  # settings shown as code
@@ -107,3 +110,30 @@ def render(rows: list[dict], refused: list[dict], settings: dict, env: dict, pre
     if agree:
         lines += agreement_lines(agree)
     return "\n".join(lines) + "\n"
+
+
+def reports_for(model: str) -> Path:
+    """Where a model's peer report goes: reports/ for the configured default, else reports/models/<model>/."""
+    default = compose_config([]).model.name
+    return ROOT / "reports" if model == default else ROOT / "reports" / "models" / model
+
+
+def accuracy_here(out: Path, machine_id: str, root: Path = ROOT) -> dict | None:
+    """The precision.json measured on this machine (an isa level's run counts as its own machine): `out`'s, else, for
+    the default model (out: reports/), the one pipeline.tools.keep_reports kept in reports/machines/<machine_id>/;
+    `out`'s when neither is this machine's, None where there is none."""
+    paths = [out / "precision.json"] + ([root / "reports" / "machines" / machine_id / "precision.json"]
+                                        if out == root / "reports" else [])
+    found = [json.loads(f.read_text()) for f in paths if f.exists()]
+    return next((p for p in found if p.get("machine", {}).get("id") == machine_id), found[0] if found else None)
+
+
+def rerender(out: Path) -> None:
+    """PEER.md from `out`'s peer.json and agreement.json (the last run of each), the accuracy measured on that
+    machine beside it; nothing before a peer run."""
+    if not (out / "peer.json").exists():
+        return
+    run = json.loads((out / "peer.json").read_text())
+    agree = json.loads((out / "agreement.json").read_text()) if (out / "agreement.json").exists() else None
+    write_text(out / "PEER.md", render(run["rows"], run["refused"], run["settings"], run["machine"],
+                                       accuracy_here(out, run["machine"]["id"]), agree))
