@@ -34,15 +34,14 @@ from pipeline.tools.peers.report import reports_for, rerender
 from pipeline.tools.peers.venvs import PEERS, Refused, reason
 from pipeline.workloads.prompts import chat_ids
 
-QUANTIZE = {"w4a8": None, "w8a8": "Q8_0"}  # level -> the type llama-quantize writes its file in (None: as shipped)
 FLOOR = ("import json, sys; from pipeline.config import compose_config; from pipeline.tools.peers.agreement import "
          "lab_tokens; a = json.load(open(sys.argv[1])); json.dump(lab_tokens(compose_config(a['overrides']), "
          "a['level'], a['prompts'], a['tokens']), open(sys.argv[2], 'w'))")  # lab_tokens in a process of its own
 
 
 def level_file(binary: Path, src: Path, qtype: str | None) -> Path:
-    """The GGUF file llama.cpp serves for a level: `src`, or src requantized by llama-quantize (kept beside the
-    build, written aside then renamed)."""
+    """The GGUF file llama.cpp serves for a level: `src`, or src requantized by llama-quantize to `qtype` (the
+    level's own `requantize`; kept beside the build, written aside then renamed)."""
     if qtype is None:
         return src
     out = PEERS / "llama.cpp" / f"{src.stem}.{qtype}.gguf"
@@ -127,7 +126,7 @@ def run(cfg) -> dict:
     src, rows, build = gguf_path(cfg.model.package, cfg.model.gguf_file), [], floor_build()
     for level in a.levels:
         requantize = precision_spec(level).requantize
-        gguf = level_file(binary, src, QUANTIZE[level])
+        gguf = level_file(binary, src, requantize and requantize.upper())
         theirs = llama_greedy(binary, gguf, prompts, int(a.tokens), int(cfg.threads))
         mine = lab_tokens(cfg, level, prompts, int(a.tokens))
         floor = {"build": build, **divergence(mine, floor_tokens(cfg, level, prompts, int(a.tokens), build))} \
