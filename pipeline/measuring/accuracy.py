@@ -21,6 +21,7 @@ import torch
 from engine import SamplingParams
 from engine.core.outputs import ScheduledChunk, SchedulerOutput
 from engine.factory import build_engine, build_net
+from engine.kernels.choice import candidates
 from engine.model.kv_cache import make_cache
 from engine.model.runner import ModelRunner
 from engine.specs import PolicySpec
@@ -39,6 +40,14 @@ def reference(cfg) -> tuple:
     base = compose_config([f"model={cfg.model.name}", "precision=fp32", f"threads={cfg.threads}"])
     model, tok = load_source(base)
     return base, model, tok, build_net(model)
+
+
+def other_product(ref) -> str:
+    """The product kernel of the noise floor: fp32 through another library's GEMM than the teacher-forced passes of
+    `ref` (the fp32 net) use (x @ W and F.linear may share MKL's)."""
+    big = {k["choice"][-1] for k in ref.kernels.values()}
+    runs = candidates(ref.device, ref.dtype)
+    return next((c for c in ("onednn", "packed", "in_out", "linear") if c in runs and c not in big), "linear")
 
 
 def stream_prompts(n: int, length: int, tokenizer, vocab_size: int, seed: int) -> list[list[int]]:

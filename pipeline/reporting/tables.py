@@ -37,14 +37,15 @@ def run_key(row: dict) -> str:
     return key
 
 
-def accuracy_of(prec: dict | None, level: str) -> str:
-    """A level's accuracy against fp32 in words (reports/precision.json), for every table that shows its speed."""
+def accuracy_of(prec: dict | None, level: str, tag: str | None = None) -> str:
+    """A level's accuracy against fp32 in words (reports/precision.json), for every table that shows its speed; tag:
+    its accuracy tier where one was measured (PEER.md), else lossless or lossy by precision.json's rule."""
     if level == (prec or {}).get("reference", "fp32"):
         return "reference"
     got = (prec or {}).get("levels", {}).get(level)
     if not got:
-        return "not measured"
-    tag = "lossless" if got["lossless"] else "lossy"
+        return tag or "not measured"
+    tag = tag or ("lossless" if got["lossless"] else "lossy")
     return f"{tag}: KLD {got['kld_mean']:.1e}, top-1 {got['top1']:.2%}"
 
 

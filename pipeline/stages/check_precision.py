@@ -2,7 +2,6 @@
 (reports/precision.json: {"levels": {level: figures}, "noise_floor": figures, ...})."""
 from engine import threads
 from engine.factory import build_net
-from engine.kernels.choice import candidates
 from pipeline.config import ROOT
 from pipeline.measuring import accuracy
 from pipeline.measuring.fingerprint import environment
@@ -19,9 +18,7 @@ if __name__ == "__main__":
         base, model, tok, ref = accuracy.reference(cfg)
         seqs, stream = accuracy.stream_for(cfg.model.name, ref, tok, model.config.vocab_size, int(p.sequences),
                                            int(p.tokens), int(cfg.seed))
-        big = {k["choice"][-1] for k in ref.kernels.values()}  # the products a teacher-forced pass uses
-        runs = candidates(ref.device, ref.dtype)  # another library's GEMM first (x @ W and F.linear may share MKL's)
-        other = next((c for c in ("onednn", "packed", "in_out", "linear") if c in runs and c not in big), "linear")
+        other = accuracy.other_product(ref)
         built, skipped, _ = level_nets(cfg, p.levels, {(base.precision.dtype, base.precision.device): (model, tok)})
         levels = {name: net for name, (net, _, _) in built.items()}
         for net in levels.values():  # each level's teacher-forced pass in the arithmetic of its 1-row decode steps

@@ -11,7 +11,7 @@ import datetime
 from omegaconf import OmegaConf
 
 from engine import threads
-from pipeline.config import build_net, compose_config, load_source
+from pipeline.config import compose_config
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.fingerprint import environment
 from pipeline.measuring.servers import measure, requests_for, start, stop
@@ -19,7 +19,9 @@ from pipeline.params import load
 from pipeline.results import write_json
 from pipeline.tools.peers import agreement, llama_cpp, openvino, vllm
 from pipeline.tools.peers.inprocess import LAB, engine_loop, lab_engine
+from pipeline.tools.peers.logprobs import Judge
 from pipeline.tools.peers.report import reports_for, rerender
+from pipeline.tools.peers.tiers import tier_rule
 from pipeline.tools.peers.venvs import Refused, freeze
 from pipeline.workloads.prompts import chat_ids
 from pipeline.workloads.runs import level_not_here
@@ -60,39 +62,35 @@ def lab_inprocess(cfg, names: list[str], prompts: list[list[int]], load_args: tu
     return rows
 
 
-def server_side(cfg, here: list[str], served: tuple) -> tuple[list[dict], list[dict], dict]:
-    """llama.cpp's and vLLM's rows (those of bench.peer.peers), their refusals and settings, then the lab's engine
-    server at each level in `here`."""
+def server_side(cfg, here: list[str], served: tuple, judge: Judge) -> tuple[list[dict], list[dict], dict]:
+    """llama.cpp's and vLLM's rows (those of bench.peer.peers) with their accuracy on the judge's stream, their
+    refusals and settings, then the lab's engine server at each level in `here`."""
     p, rows, refused, info = cfg.bench.peer, [], [], {}
     if "llama_cpp" in p.peers:
         try:
-            got, info[llama_cpp.NAME] = llama_cpp.run(cfg, served)
+            got, info[llama_cpp.NAME] = llama_cpp.run(cfg, served, judge)
             rows += got
         except Refused as exc:
             refused.append(refusal(llama_cpp.NAME, llama_cpp.precision_of(cfg.model.gguf_file), "server", exc))
     if "vllm" in p.peers:
         try:
-            got, no, info[vllm.NAME] = vllm.run(cfg, served)
+            got, no, info[vllm.NAME] = vllm.run(cfg, served, judge)
             rows, refused = rows + got, refused + no
         except Refused as exc:
             refused.append(refusal(vllm.NAME, ", ".join(p.vllm.dtypes), "server", exc))
     return rows + lab_servers(cfg, here, served), refused, info
 
 
-def inprocess_side(cfg, here: list[str], warm: int) -> tuple[list[dict], list[dict], dict]:
-    """OpenVINO GenAI's rows (its greedy reference: the lab's fp32 engine), its refusals and settings, then the lab's
-    engine in-process at each level in `here`, all on the same chat prompts' token ids."""
+def inprocess_side(cfg, here: list[str], warm: int, judge: Judge) -> tuple[list[dict], list[dict], dict]:
+    """OpenVINO GenAI's rows (its greedy reference: the lab's fp32 engine) with their accuracy on the judge's stream,
+    its refusals and settings, then the lab's engine in-process at each level in `here`, all on the same chat
+    prompts' token ids."""
     p, rows, refused, info = cfg.bench.peer, [], [], {}
-    fp32 = OmegaConf.create(OmegaConf.to_container(cfg))
-    fp32.precision = compose_config([f"model={cfg.model.name}", "precision=fp32"]).precision
-    threads.govern(int(cfg.threads), cfg.measure)  # this process runs the steps
-    source, tok = load_source(fp32)
     texts = requests_for(max(int(p.n), *p.levels), int(p.max_tokens), cfg.seed)
-    prompts = [chat_ids(tok, text) for text, _ in texts]
+    prompts = [chat_ids(judge.tokenizer, text) for text, _ in texts]
     load_args = (list(p.levels), int(p.n), int(p.max_tokens), warm)
     try:
-        rows, refused, info[openvino.NAME] = openvino.run(cfg, prompts, build_net(source, fp32),
-                                                          load_args)
+        rows, refused, info[openvino.NAME] = openvino.run(cfg, prompts, judge, load_args)
     except Refused as exc:
         refused.append(refusal(openvino.NAME, ", ".join(p.openvino.weights), "in-process", exc))
     return rows + lab_inprocess(cfg, here, prompts, load_args), refused, info
@@ -111,17 +109,21 @@ def main(cfg) -> dict:
     why = {n: level_not_here(cfg, n) for n in names}
     here = [n for n in names if not why[n]]
     rows, refused, info = [], [refusal("lab", n, "all", why[n]) for n in names if why[n]], {}
+    threads.govern(int(cfg.threads), cfg.measure)  # this process runs the lab's steps
+    judge = Judge(cfg)
+    floor, lab = judge.floor(), judge.lab(cfg, here)
     for side, wanted in ((server_side, {"llama_cpp", "vllm"}), (inprocess_side, {"openvino"})):
         if wanted & set(p.peers):
-            got, no, more = side(cfg, here, served if side is server_side else warm)
+            got, no, more = side(cfg, here, served if side is server_side else warm, judge)
             rows, refused, info = rows + got, refused + no, {**info, **more}
+    rows = [{**r, "teacher_forced": lab[r["precision"]]} if r["backend"] in (SERVER, LAB) else r for r in rows]
     changed = sorted(set(before) ^ set(freeze()))
     settings = {**OmegaConf.to_container(p), "model": cfg.model.name, "isa": cfg.isa.name, "unit": cfg.isa.unit,
-                "peers": info,
+                "peers": info, "accuracy": {**judge.settings(floor), **tier_rule(cfg)},
                 "lab": f"the engine, continuous batching, {p.slots} requests at once, at "
                        + ", ".join(f"`{n}`" for n in here),
                 "freeze": f"changed: {changed}" if changed else f"unchanged ({len(before)} packages)"}
-    env, out = environment(cfg.threads, cfg.precision.device), reports_for(cfg.model.name)
+    env, out = environment(cfg.threads, cfg.precision.device), reports_for(cfg.model.name, cfg.isa.name)
     settings["date"] = datetime.date.today().isoformat()
     write_json(out / "peer.json", {"rows": rows, "refused": refused, "settings": settings, "machine": env})
     if "llama_cpp" in p.peers and p.agreement.levels:
@@ -129,7 +131,8 @@ def main(cfg) -> dict:
             write_json(out / "agreement.json", agreement.run(cfg))
         except Refused as exc:
             write_json(out / "agreement.json", {"rows": [], "refused": str(exc)})
-    rerender(out)
+    for folder in dict.fromkeys([out, reports_for(cfg.model.name)]):  # the native run's links this one
+        rerender(folder)
     if changed:
         raise SystemExit(f"the lab's .venv changed while the peers ran: {changed}")
     return settings

@@ -141,7 +141,7 @@ def run(cfg) -> dict:
 
 def main(cfg) -> dict:
     got = run(cfg)
-    out = reports_for(cfg.model.name)
+    out = reports_for(cfg.model.name, cfg.isa.name)
     write_json(out / "agreement.json", got)
     rerender(out)
     return got

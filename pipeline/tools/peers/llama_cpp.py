@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ from engine.hardware import cpu_units
 from engine.model.loader import gguf_path
 from pipeline.measuring.disturbance import server_pids
 from pipeline.measuring.servers import free_port, measure, stop, wait_ready
+from pipeline.tools.peers.logprobs import llama_tops
 from pipeline.tools.peers.report import shown
 from pipeline.tools.peers.venvs import PEERS, Refused, logger, reason
 
@@ -133,8 +135,9 @@ def serve(args: list[str], port: int, log: Path) -> subprocess.Popen:
     return proc
 
 
-def run(cfg, load) -> tuple[list[dict], dict]:
-    """llama.cpp's rows at bench.peer's concurrencies (load: the lab's closed-loop arguments) and its settings."""
+def run(cfg, load, judge) -> tuple[list[dict], dict]:
+    """llama.cpp's rows at bench.peer's concurrencies (load: the lab's closed-loop arguments), with its accuracy on
+    the stream of `judge` (logprobs.Judge), and its settings."""
     p, level = cfg.bench.peer, cfg.isa
     binary, cmake = build(str(p.llama_cpp.version), flags=cpu_flags(unit=level.unit), level=level.name)
     gguf = gguf_path(cfg.model.package, cfg.model.gguf_file)
@@ -143,9 +146,12 @@ def run(cfg, load) -> tuple[list[dict], dict]:
     proc = serve(args, port, PEERS / "llama.cpp" / f"serve-{level.name}.log")
     try:
         rows, _ = measure(f"http://127.0.0.1:{port}/v1", "peer", NAME, *load, server_pids(proc))
+        tf = judge.fetched(partial(llama_tops, f"http://127.0.0.1:{port}"),
+                            "its server's n_probs after each prefix")
     finally:
         stop(proc)
     alias = {str(gguf): f"<site-packages>/{gguf.parent.name}/{gguf.name}"}
-    return [{**r, "precision": precision_of(cfg.model.gguf_file), "mode": "server"} for r in rows], {
+    return [{**r, "precision": precision_of(cfg.model.gguf_file), "mode": "server", "teacher_forced": tf}
+            for r in rows], {
         "version": f"llama-cpp-python {p.llama_cpp.version}'s vendored llama.cpp", "cmake": cmake,
         "isa": level.name, "command": shown(args, alias), "gguf": gguf.name}

@@ -2,14 +2,20 @@
 openvino` (fp32, and int8 / int4 weight compression at optimum-intel's defaults, int4 in groups of `group_size`
 weights), each run in-process by openvino_driver.py through its ContinuousBatchingPipeline (prefix caching off, its
 chunked prefill, dynamic_split_fuse, as shipped), activations in `hint` precision; its accuracy: greedy agreement
-with the lab's fp32 engine on the same prompts. Being in-process, it is set beside the lab's engine in-process
-(inprocess.engine_loop), not its server."""
+with the lab's fp32 engine on the same prompts, and its exported model's top-k on the lab's stream through
+optimum-intel (logprobs.py; estimated, the pipeline returning none). Being in-process, it is set beside the lab's
+engine in-process (inprocess.engine_loop), not its server. It runs without an isa level's limits: its CPU plugin
+picks its kernels by the CPU, and its compressed products cannot run under oneDNN held to AVX2 on a wider CPU; under
+another level than native its rows use every unit the CPU has (a comparison that favours it)."""
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
+import torch
+
 from engine.children import running
+from engine.kernels import ISA_LIMITS
 from engine.model.integrity import folder_damage, write_manifest
 from pipeline.measuring.accuracy import greedy
 from pipeline.measuring.disturbance import measured
@@ -75,6 +81,15 @@ class Driver:
             raise Refused(f"the driver ended: {reason(self.log.read_text())}")
         return json.loads(line)
 
+    def tops(self, seqs: list[list[int]], k: int) -> list:
+        """The exported model's top-k at every position of the stream the spec holds (seqs: that stream)."""
+        self.proc.stdin.write(f"tops {k}\n")
+        self.proc.stdin.flush()
+        got = json.loads(self.proc.stdout.readline() or '{"error": "the driver ended"}')
+        if "error" in got:
+            raise ValueError(got["error"])
+        return [(torch.tensor(t["ids"]), torch.tensor(t["logprobs"], dtype=torch.float64)) for t in got["tops"]]
+
     def close(self):
         self.proc.kill()
         self.proc.wait()
@@ -96,37 +111,43 @@ def closed_rows(loop, name: str, levels: list[int], n: int, max_tokens: int, war
     return rows, outputs
 
 
-def run(cfg, prompts: list[list[int]], ref_net, load) -> tuple[list[dict], list[dict], dict]:
+def run(cfg, prompts: list[list[int]], judge, load) -> tuple[list[dict], list[dict], dict]:
     """OpenVINO GenAI's rows at each weight format (prompts: the lab's token ids, at least n and the top level;
-    ref_net: the lab's fp32 engine net for the greedy reference; load: (levels, n, max_tokens, warm-up tokens)),
-    a refused row per format that did not run, and its settings."""
+    judge: logprobs.Judge, whose fp32 net gives the greedy reference; load: (levels, n, max_tokens, warm-up tokens)),
+    each with its accuracy on the judge's stream, a refused row per format that did not run, and its settings."""
     p, o = cfg.bench.peer, cfg.bench.peer.openvino
     levels, n, max_tokens, warm = load
     py = ensure("openvino", list(o.packages), list(o.remove))
-    env = run_env(int(cfg.threads))
+    env = {k: v for k, v in run_env(int(cfg.threads)).items() if k not in ISA_LIMITS}  # its own units: see above
     model = model_dir(cfg)
-    ref = greedy(ref_net, prompts[:n], max_tokens)
+    ref = greedy(judge.ref, prompts[:n], max_tokens)
     rows, refused = [], []
     for weights in o.weights:
         try:
             folder = export(py, model, weights, int(o.group_size), env)
             spec = {"model": str(folder), "prompts": prompts, "slots": int(p.slots), "threads": int(cfg.threads),
-                    "cache_gb": int(o.cache_gb), "hint": str(o.hint)}
+                    "cache_gb": int(o.cache_gb), "hint": str(o.hint), "stream": judge.seqs}
             driver = Driver(py, spec, env, PEERS / "openvino" / f"driver-{weights}.log")
             try:
                 got, outputs = closed_rows(driver.loop, NAME, levels, n, max_tokens, warm, cfg.measure,
                                            [driver.proc.pid])
+                tf = {**judge.fetched(driver.tops, "its IR's logits through optimum-intel"), "estimated": True}
             finally:
                 driver.close()
         except Refused as exc:
             refused.append({"backend": NAME, "precision": weights, "mode": "in-process", "reason": str(exc)})
             continue
         accuracy = agreement(ref, outputs[:n]) if len(outputs) >= n else "not measured: its run failed"
-        rows += [{**r, "precision": weights, "mode": "in-process", "accuracy": accuracy} for r in got]
+        rows += [{**r, "precision": weights, "mode": "in-process", "accuracy": accuracy, "teacher_forced": tf}
+                 for r in got]
     shown = ["optimum-cli", *export_command(py, Path(cfg.model.path), "<weights>", Path("<out>"), 0)[1:]]
     return rows, refused, {"version": f"openvino-genai {version(py, 'openvino-genai')}, optimum-intel "
                                       f"{version(py, 'optimum-intel')}, openvino {version(py, 'openvino')}",
                            "export": " ".join(shown) + f" (int4: --group-size {o.group_size})",
                            "scheduler": f"max_num_seqs {p.slots}, cache_size {o.cache_gb} GB, prefix caching off, "
                                         "dynamic_split_fuse (chunked prefill) as shipped",
-                           "properties": f"INFERENCE_NUM_THREADS {cfg.threads}, INFERENCE_PRECISION_HINT {o.hint}"}
+                           "properties": f"INFERENCE_NUM_THREADS {cfg.threads}, INFERENCE_PRECISION_HINT {o.hint}",
+                           **({} if cfg.isa.name == "native" else {"instruction set": (
+                               f"every unit this CPU has, not isa={cfg.isa.name}'s: its CPU plugin picks its kernels "
+                               "by the CPU, and its compressed products cannot run under oneDNN held to "
+                               f"{cfg.isa.unit} (a comparison that favours it)")})}

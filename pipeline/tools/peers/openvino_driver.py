@@ -1,8 +1,9 @@
 """OpenVINO GenAI's continuous-batching pipeline under a closed loop, run by its own venv's python (no lab import):
 `python -I openvino_driver.py SPEC.json`, SPEC: {"model", "prompts" (token ids), "slots", "threads", "cache_gb",
-"hint"}. It loads the pipeline, prints "ready", then answers each stdin line "VERB C N T" (VERB: warm or run; the
-first N prompts, C at once, T new tokens each) with one JSON line: each request's {"start", "first", "end" (s from
-the loop's start), "tokens"} and "wall" (s); a failure's: {"error": ...}."""
+"hint", "stream": token sequences}. It loads the pipeline, prints "ready", then answers each stdin line "run C N T"
+(the first N prompts, C at once, T new tokens each) with one JSON line: each request's {"start", "first", "end" (s
+from the loop's start), "tokens"} and "wall" (s); and "tops K" with {"tops": [{"ids", "logprobs"}]}: the top-K of
+every position of each stream sequence; a failure's: {"error": ...}."""
 import json
 import sys
 import time
@@ -17,8 +18,7 @@ def pipeline(spec: dict) -> genai.ContinuousBatchingPipeline:
     activations' precision `hint` (f32: products in fp32 whatever the weights)."""
     sc = genai.SchedulerConfig()
     sc.max_num_seqs, sc.cache_size, sc.enable_prefix_caching = spec["slots"], spec["cache_gb"], False
-    return genai.ContinuousBatchingPipeline(spec["model"], sc, "CPU", {"INFERENCE_NUM_THREADS": spec["threads"],
-                                                                       "INFERENCE_PRECISION_HINT": spec["hint"]})
+    return genai.ContinuousBatchingPipeline(spec["model"], sc, "CPU", properties(spec))
 
 
 def closed_loop(pipe, prompts: list[list[int]], c: int, max_tokens: int) -> dict:
@@ -52,15 +52,37 @@ def closed_loop(pipe, prompts: list[list[int]], c: int, max_tokens: int) -> dict
     return {"records": recs, "wall": time.perf_counter() - t0}
 
 
+def properties(spec: dict) -> dict:
+    """The CPU plugin's properties, the pipeline's and optimum-intel's model's alike."""
+    return {"INFERENCE_NUM_THREADS": spec["threads"], "INFERENCE_PRECISION_HINT": spec["hint"]}
+
+
+def tops(spec: dict, k: int) -> dict:
+    """The exported model's top-k log-probabilities of the next token at every position but each sequence's last,
+    through optimum-intel: the same IR, plugin and properties, its stateful attention instead of the pipeline's
+    paged one (the pipeline returns no distributions)."""
+    import torch
+    from optimum.intel import OVModelForCausalLM
+    model = OVModelForCausalLM.from_pretrained(spec["model"], device="CPU", ov_config=properties(spec))
+    out = []
+    for s in spec["stream"]:
+        ids = torch.tensor([s])
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, :-1]
+        lp, top = logits.double().log_softmax(-1).topk(k, dim=-1)
+        out.append({"ids": top.tolist(), "logprobs": lp.tolist()})
+    return {"tops": out}
+
+
 def main(path: str) -> None:
     with open(path) as f:
         spec = json.load(f)
     pipe = pipeline(spec)
     print("ready", flush=True)
     for line in sys.stdin:
-        _, c, n, tokens = line.split()
+        verb, *args = line.split()
         try:
-            got = closed_loop(pipe, spec["prompts"][:int(n)], int(c), int(tokens))
+            got = tops(spec, int(args[0])) if verb == "tops" else closed_loop(pipe, spec["prompts"][:int(args[1])],
+                                                                              int(args[0]), int(args[2]))
         except Exception as exc:  # the peer's own error, for its row
             got = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(got), flush=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.config import ROOT, compose_config
 from pipeline.reporting.tables import accuracy_of, fmt
 from pipeline.results import write_text
+from pipeline.tools.peers.tiers import tier, tiered
 
 LAB = "lab"  # the lab's rows' backend prefix: "lab (engine server)", "lab (engine in-process)"
 CODE = ("command", "cmake", "export", "environment")  # settings shown as code
@@ -59,9 +60,9 @@ def header(settings: dict, env: dict) -> list[str]:
              "compared with the lab's engine in-process (the same closed loop, without HTTP).", ""]
     if settings["isa"] != "native":
         lines += [f"**isa={settings['isa']}**: the lab's torch, MKL, oneDNN and kernels are held to {settings['unit']} "
-                  "through the environment, which the peers inherit; llama.cpp is built for those units only "
-                  "(its own build folder, the native one kept). vLLM's and OpenVINO's own kernels choose their "
-                  "instruction set themselves.", ""]
+                  "through the environment; llama.cpp is built for those units only (its own build folder, the "
+                  "native one kept); vLLM inherits the environment, its own kernels choosing their instruction set "
+                  "themselves; OpenVINO: as its line says.", ""]
     for name, info in settings["peers"].items():
         lines.append(f"- {name}: " + "; ".join(f"{k}: {code(v) if k.endswith(CODE) else v}" for k, v in info.items()))
     lines += [f"- lab: {settings['lab']}", f"- the lab's `.venv`: `pip freeze` {settings['freeze']}", ""]
@@ -90,13 +91,67 @@ def agreement_lines(agree: dict) -> list[str]:
     return lines
 
 
+def accuracy_cell(r: dict, prec: dict | None, a: dict | None) -> str:
+    """A row's accuracy column: a lab level's precision.json figures, a peer's on the run's stream, each with its
+    tier where the run measured one; then a peer's greedy agreement where it gave one."""
+    t = tier(r.get("teacher_forced"), a) if a else None
+    if r["backend"].startswith(LAB):
+        return accuracy_of(prec, r["precision"], t)
+    tf = r.get("teacher_forced") or {}
+    words = [f"{t}{' (estimated)' if tf.get('estimated') else ''}: KLD {tf['kld_mean']:.1e}, top-1 {tf['top1']:.2%}"
+             if t else "", r.get("accuracy", "")]
+    return "; ".join(w for w in words if w)
+
+
+def accuracy_lines(rows: list[dict], refused: list[dict], a: dict) -> list[str]:
+    """Each level's accuracy on the lab's stream (logprobs.py) and its tier, then the fastest of each side per tier."""
+    lines = ["", "## Accuracy tiers", "",
+             f"Every level teacher-forced on {a['sequences']} sequences of the lab's token stream ({a['stream']}), "
+             f"its top-{a['top_k']} log-probabilities of the next token at each position scored against the lab's "
+             "fp32: KL(p_fp32 || q) over those ids, both renormalised on them, times fp32's mass on them (a lower "
+             "bound of the whole KL), and top-1. Lossless: mean KLD within "
+             f"{a['lossless_kld']:g}x the floor's ({a['floor']['through']}: {a['floor']['kld_mean']:.1e}) and "
+             f"top-1 without near-ties at least {a['lossless_top1']:.1%}; near-lossless: mean KLD at most "
+             f"{a['near_lossless_kld']:.0e}; lossy: the rest. Measured, except where marked estimated.", "",
+             "| backend | precision | through | positions | KLD mean | KLD p99 | top-1 | top-1 without near-ties "
+             "| tier |", "|---|---|---|---|---|---|---|---|---|"]
+    seen = {}
+    for r in rows:
+        seen.setdefault((r["backend"].split(" (")[0], r["precision"]), r.get("teacher_forced"))
+    for (backend, prec), tf in seen.items():
+        if not tf or "kld_mean" not in tf:
+            why = (tf or {}).get("error", "not measured")
+            lines.append(f"| {backend} | {prec} | {cell((tf or {}).get('through', ''))} | {cell(why)} | | | | | |")
+            continue
+        t = tier(tf, a) + (" (estimated)" if tf.get("estimated") else "")
+        lines.append(f"| {backend} | {prec} | {cell(tf['through'])} | {tf['positions']} | {tf['kld_mean']:.2e} | "
+                     f"{tf['kld_p99']:.2e} | {tf['top1']:.2%} | {tf['top1_no_ties']:.2%} | {t} |")
+    lines += ["", "The fastest level at least as accurate as each tier, lab against peers, at each concurrency:", "",
+              "| tier | mode | c | lab's fastest | tok/s | fastest peer | tok/s | lab / peer |",
+              "|---|---|---|---|---|---|---|---|"]
+    for q in tiered(rows, a, LAB):
+        a_, b_ = q["lab"], q["peer"]
+        peer = (f"{b_['backend']} {b_['precision']}" + (" (estimated)" if b_["teacher_forced"].get("estimated")
+                                                        else "")) if b_ else "none"
+        lines.append(f"| {q['tier']} | {q['mode']} | {q['concurrency']} | {a_['precision'] if a_ else 'none'} | "
+                     f"{fmt(a_ and a_['throughput_tps'], 1)} | {peer} | {fmt(b_ and b_['throughput_tps'], 1)} | "
+                     f"{fmt(q['ratio'])} |")
+    out = [f"{r['backend']} {r['precision']}" for r in refused if not r["backend"].startswith(LAB)]
+    unplaced = (r for r in rows if not r["backend"].startswith(LAB)
+                and not (r["throughput_tps"] and tier(r.get("teacher_forced"), a)))
+    out += [f"{b} {p}" for b, p in dict.fromkeys((r["backend"], r["precision"]) for r in unplaced)]
+    return lines + (["", "Peer levels left out of the tiers (no throughput or no accuracy measured here): "
+                     f"{', '.join(out)}."] if out else [])
+
+
 def render(rows: list[dict], refused: list[dict], settings: dict, env: dict, prec: dict | None,
-           agree: dict | None = None) -> str:
+           agree: dict | None = None, others: list[str] = ()) -> str:
+    """others: the PEER.md of runs under other isa levels, relative to this one's folder."""
     lines = ["# Peers: llama.cpp, vLLM and OpenVINO GenAI beside the lab", "", *header(settings, env),
              "| backend | precision | mode | c | ok | TTFT p50, s | TTFT p99, s | tok/s | per-stream tok/s | errors | "
              "disturbed | accuracy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        acc = accuracy_of(prec, r["precision"]) if r["backend"].startswith(LAB) else r.get("accuracy", "")
+        acc = accuracy_cell(r, prec, settings.get("accuracy"))
         lines.append(f"| {r['backend']} | {r['precision']} | {r['mode']} | {r['concurrency']} | "
                      f"{r['complete']}/{r['requests']} | {fmt(r['ttft_p50_s'])} | {fmt(r['ttft_p99_s'])} | "
                      f"{fmt(r['throughput_tps'], 1)} | {fmt(r['per_stream_tps'], 1)} | {r['errors']} | "
@@ -104,18 +159,25 @@ def render(rows: list[dict], refused: list[dict], settings: dict, env: dict, pre
     for r in refused:
         lines.append(f"| {r['backend']} | {r['precision']} | {r['mode']} | all | not run here: {cell(r['reason'])} "
                      "| | | | | | | |")
-    lines += ["", "| lab precision | mode | c | best peer | lab / best peer throughput |", "|---|---|---|---|---|"]
+    lines += ["", "Throughput alone, whatever the accuracy (the tiers below set like against like):", "",
+              "| lab precision | mode | c | best peer | lab / best peer throughput |", "|---|---|---|---|---|"]
     lines += [f"| {q['precision']} | {q['mode']} | {q['concurrency']} | {q['peer'] or 'none ran'} | {fmt(q['ratio'])} |"
               for q in ratios(rows)]
+    if others:
+        lines += ["", "The same run under other isa levels: " + ", ".join(f"[{o}]({o})" for o in others)]
+    if settings.get("accuracy"):
+        lines += accuracy_lines(rows, refused, settings["accuracy"])
     if agree:
         lines += agreement_lines(agree)
     return "\n".join(lines) + "\n"
 
 
-def reports_for(model: str) -> Path:
-    """Where a model's peer report goes: reports/ for the configured default, else reports/models/<model>/."""
+def reports_for(model: str, isa: str = "native") -> Path:
+    """Where a model's peer report goes: reports/ for the configured default, else reports/models/<model>/; a run
+    under another isa level in isa/<level>/ below it (the native run's kept beside it)."""
     default = compose_config([]).model.name
-    return ROOT / "reports" if model == default else ROOT / "reports" / "models" / model
+    base = ROOT / "reports" if model == default else ROOT / "reports" / "models" / model
+    return base if isa == "native" else base / "isa" / isa
 
 
 def accuracy_here(out: Path, machine_id: str, root: Path = ROOT) -> dict | None:
@@ -135,5 +197,6 @@ def rerender(out: Path) -> None:
         return
     run = json.loads((out / "peer.json").read_text())
     agree = json.loads((out / "agreement.json").read_text()) if (out / "agreement.json").exists() else None
+    others = [str(p.relative_to(out)) for p in sorted(out.glob("isa/*/PEER.md"))]
     write_text(out / "PEER.md", render(run["rows"], run["refused"], run["settings"], run["machine"],
-                                       accuracy_here(out, run["machine"]["id"]), agree))
+                                       accuracy_here(out, run["machine"]["id"]), agree, others))

