@@ -3,9 +3,10 @@ openvino: pipeline/tools/peers/) beside the lab on the same model, machine, conc
 (reports/peer.json, reports/PEER.md). Servers (llama.cpp, vLLM) are loaded with the lab's closed-loop client like
 the lab's engine server at each of bench.peer.lab_levels; OpenVINO GenAI runs in-process, like the lab's engine
 in-process; with llama_cpp among the peers, the lab's 8-bit levels against llama.cpp on the same GGUF file at
-temperature 0 (pipeline/tools/peers/agreement.py). A peer that cannot run here gets a row with its own error; the lab's
-.venv is checked unchanged. Another model than the configured default (model=...) writes to reports/models/<model>/
-beside its kept reports."""
+temperature 0 (pipeline/tools/peers/agreement.py); every side's accuracy on the lab's token stream and PEER.md's
+accuracy tiers (logprobs.py, tiers.py). A peer that cannot run here gets a row with its own error; the lab's .venv is
+checked unchanged. Another model than the configured default (model=...) writes to reports/models/<model>/ beside
+its kept reports; a run under another isa level than native (isa=avx2) to isa/<level>/ below, the native one kept."""
 import datetime
 
 from omegaconf import OmegaConf

@@ -1,7 +1,8 @@
 """PEER.md: one table of every peer's and every lab level's rows (a peer that could not run: a row with its own
 reason), the peers' versions and commands, and lab / best peer at each concurrency, server against server and
-in-process against in-process; re-rendered from peer.json and agreement.json, the accuracy measured on the run's
-machine beside it."""
+in-process against in-process; then every level's accuracy on the lab's stream and the accuracy tiers (tiers.py);
+re-rendered from peer.json and agreement.json, the accuracy measured on the run's machine beside it, linking the
+runs under other isa levels."""
 import datetime
 import json
 from pathlib import Path
