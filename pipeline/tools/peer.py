@@ -117,7 +117,7 @@ def main(cfg) -> dict:
         if wanted & set(p.peers):
             got, no, more = side(cfg, here, served if side is server_side else warm, judge)
             rows, refused, info = rows + got, refused + no, {**info, **more}
-    rows = [{**r, "teacher_forced": lab[r["precision"]]} if r["backend"] in (SERVER, LAB) else r for r in rows]
+    rows = [{**r, "teacher_forced": lab.get(r["precision"])} if r["backend"] in (SERVER, LAB) else r for r in rows]
     changed = sorted(set(before) ^ set(freeze()))
     settings = {**OmegaConf.to_container(p), "model": cfg.model.name, "isa": cfg.isa.name, "unit": cfg.isa.unit,
                 "peers": info, "accuracy": {**judge.settings(floor), **tier_rule(cfg)},

@@ -59,7 +59,7 @@ class Judge:
         through: how they were got, in words."""
         try:
             return {**self.score(fetch(self.seqs, self.k)), "through": through}
-        except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+        except (httpx.HTTPError, OSError, KeyError, IndexError, TypeError, ValueError) as exc:  # OSError: a driver gone
             return {"error": f"{type(exc).__name__}: {exc}", "through": through}
 
     def net(self, net) -> dict:
