@@ -16,7 +16,8 @@ from pipeline.tools.peers.tiers import tier, tier_rule, tiered
 
 def judge(logits: torch.Tensor, k: int = 5) -> Judge:
     j = Judge.__new__(Judge)
-    j.logits, j.k, j.near_tie, j.seqs = [logits], k, 1e-3, [list(range(logits.shape[0] + 1))]
+    j.k, j.near_tie, j.seqs = k, 1e-3, [list(range(logits.shape[0] + 1))]
+    j.hold([logits])
     return j
 
 

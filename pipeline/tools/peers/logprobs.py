@@ -35,21 +35,24 @@ class Judge:
         _, self.model, self.tokenizer, self.ref = reference(cfg)  # the Hugging Face fp32 model, its fp32 net
         self.seqs, self.stream = stream_for(cfg.model.name, self.ref, self.tokenizer, self.model.config.vocab_size,
                                             int(a.sequences), int(p.tokens), int(cfg.seed))
-        self.logits = [logits_of(self.ref, [s]) for s in self.seqs]  # [len - 1, vocab] each, fp32
+        self.hold([logits_of(self.ref, [s]) for s in self.seqs])
+
+    def hold(self, logits: list[torch.Tensor]) -> None:
+        """fp32's logits per sequence ([len - 1, vocab] each), its argmax and near-ties, once for every side."""
+        top2 = [x.topk(2, dim=-1) for x in logits]
+        self.logits, self.argmax = logits, [t.indices[:, 0] for t in top2]
+        self.ties = [t.values[:, 0].double() - t.values[:, 1].double() < self.near_tie for t in top2]  # logit gaps
 
     def score(self, tops: list[Tops]) -> dict:
         """The pooled figures of one side's top-k at every position (`tops`: one per sequence)."""
-        kld, top1, tie = [], [], []
-        for ref, (ids, lq) in zip(self.logits, tops):
-            lp = ref.double().log_softmax(-1)
-            on = lp.gather(1, ids)  # fp32's log-probabilities of the side's ids
+        kld, top1 = [], []
+        for ref, best, (ids, lq) in zip(self.logits, self.argmax, tops):
+            on = ref.double().log_softmax(-1).gather(1, ids)  # fp32's log-probabilities of the side's ids
             mass = on.logsumexp(-1)
             lp_s, lq_s = on - mass[:, None], lq.double() - lq.double().logsumexp(-1)[:, None]
             kld.append(mass.exp() * (lp_s.exp() * (lp_s - lq_s)).sum(-1))
-            top2 = lp.topk(2, dim=-1).values
-            tie.append(top2[:, 0] - top2[:, 1] < self.near_tie)
-            top1.append(ids.gather(1, lq.argmax(-1, keepdim=True))[:, 0] == lp.argmax(-1))
-        kld, top1, tie = torch.cat(kld).clamp(min=0), torch.cat(top1), torch.cat(tie)
+            top1.append(ids.gather(1, lq.argmax(-1, keepdim=True))[:, 0] == best)
+        kld, top1, tie = torch.cat(kld).clamp(min=0), torch.cat(top1), torch.cat(self.ties)
         return {"positions": int(kld.numel()), "top_k": self.k, "kld_mean": float(kld.mean()),
                 "kld_p99": float(kld.quantile(0.99)), "top1": float(top1.float().mean()),
                 "top1_no_ties": float(top1[~tie].float().mean()), "near_ties": int(tie.sum())}
@@ -65,15 +68,16 @@ class Judge:
     def net(self, net) -> dict:
         """A lab net's figures (its products pinned to its 1-row decode kernels, as check_precision judges them)."""
         net.pin_kernels(0)
-        return {**self.score([top_k(logits_of(net, [s]), self.k) for s in self.seqs]),
-                "through": "its logits, each product in its 1-row kernel"}
+        return self.scored(net, "its logits, each product in its 1-row kernel")
 
     def floor(self) -> dict:
         """fp32 against fp32 through another product kernel."""
         other = other_product(self.ref)
-        net = build_net(self.model, kernel=other)
-        return {**self.score([top_k(logits_of(net, [s]), self.k) for s in self.seqs]),
-                "through": f"fp32 through the {other} product"}
+        return self.scored(build_net(self.model, kernel=other), f"fp32 through the {other} product")
+
+    def scored(self, net, through: str) -> dict:
+        """score() of a lab net's own logits on the stream."""
+        return {**self.score([top_k(logits_of(net, [s]), self.k) for s in self.seqs]), "through": through}
 
     def lab(self, cfg, names: list[str]) -> dict[str, dict]:
         """Each of the lab's levels in `names`, one built at a time."""
@@ -85,6 +89,7 @@ class Judge:
         return out
 
     def settings(self, floor: dict) -> dict:
+        """What PEER.md says of the stream and the scoring (floor: floor()'s figures)."""
         return {"stream": self.stream, "sequences": len(self.seqs), "top_k": self.k, "floor": floor,
                 "near_tie": self.near_tie}
 
