@@ -124,6 +124,9 @@ def test_peer_md_shows_each_levels_accuracy_once_and_the_tier_table():
     assert "| lossless | in-process | 1 | w4 | 85.0 | none | n/a | n/a |" in md
     assert "[isa/avx2/PEER.md](isa/avx2/PEER.md)" in md
     assert "measured here): vLLM bfloat16, OpenVINO GenAI int8." in md
+    rows[5]["units"] = "on every unit this CPU has, not AVX2"  # a peer an isa level could not hold
+    md = render(rows, refused, {**settings, "isa": "avx2", "unit": "AVX2"}, {"label": "a CPU", "id": "abc"}, None)
+    assert "| OpenVINO GenAI int4 (estimated; on every unit this CPU has, not AVX2) | 80.0 | 1.06 |" in md
 
 
 def test_a_run_under_another_isa_level_keeps_its_own_folder():

@@ -85,17 +85,17 @@ struct A8Q4_1 {  // sum(q_w q_x) with codes 0-15: d_w d_x sum + m_w s_x
         lo[t] = ifield(c, 0, 0x0F0F0F0F);
         hi[t] = ifield(c, 4, 0x0F0F0F0F);
       }
-      UNROLL for (int r = 0; r < R; ++r) {
+      UNROLL for (int r = 0; r < R; ++r) {  // short sums: 16 products a lane, each |15 * 127|: within 2^15
         const int8_t* q = x.q + (xb + r * x.Kb) * 32;
         const I a = four(q + 4 * w), b = four(q + 16 + 4 * w);
-        UNROLL for (int t = 0; t < NT; ++t) s[t][r] = dot4(dot4(s[t][r], lo[t], a), hi[t], b);
+        UNROLL for (int t = 0; t < NT; ++t) s[t][r] = dot4_short(dot4_short(s[t][r], lo[t], a), hi[t], b);
       }
     }
     UNROLL for (int t = 0; t < NT; ++t) {
       const F d = halves(p[t]), m = halves(p[t] + in_tile(TILE, 2, 2, 0));
       UNROLL for (int r = 0; r < R; ++r) {
         const int64_t j = xb + r * x.Kb;
-        acc[t][r] = fma(x.s[j], m, fma(mul(d, x.d[j]), ifloat(s[t][r]), acc[t][r]));
+        acc[t][r] = fma(x.s[j], m, fma(mul(d, x.d[j]), ifloat(widened(s[t][r])), acc[t][r]));
       }
     }
   }
@@ -178,9 +178,9 @@ struct A8Q4_K {  // per sub-block j of 32: sc_j sum(q_w q_x) and m_j bsum_j: d_w
         I u[NT];
         UNROLL for (int t = 0; t < NT; ++t)
           u[t] = ifield(lanes(p[t] + in_tile(TILE, 16 + 32 * (j / 2) + 4 * w, 4, 0)), 4 * (j % 2), 0x0F0F0F0F);
-        UNROLL for (int r = 0; r < R; ++r) {
+        UNROLL for (int r = 0; r < R; ++r) {  // short sums: 16 products a lane, each |15 * 127|: within 2^15
           const I a = four(x.q + (xb + r * x.Kb) * 256 + 32 * j + 4 * w);
-          UNROLL for (int t = 0; t < NT; ++t) s[t][r] = dot4(s[t][r], u[t], a);
+          UNROLL for (int t = 0; t < NT; ++t) s[t][r] = dot4_short(s[t][r], u[t], a);
         }
       }
       const int b = 8 * (j % 4);  // the bit of byte j % 4 in a word of scales (as Q4_K::weights reads them)
@@ -191,7 +191,7 @@ struct A8Q4_K {  // per sub-block j of 32: sc_j sum(q_w q_x) and m_j bsum_j: d_w
                            : ior(ifield(sc[2][t], b + 4, 0xF), ishl(ifield(sc[1][t], b + 6, 3), 4));
         UNROLL for (int r = 0; r < R; ++r) {
           const int32_t* bs = x.sums + (xb + r * x.Kb) * 16 + 2 * j;
-          S[t][r] = iadd(S[t][r], imul(scj, s[t][r]));
+          S[t][r] = iadd(S[t][r], imul(scj, widened(s[t][r])));
           M[t][r] = iadd(M[t][r], imul(mj, iall(bs[0] + bs[1])));
         }
       }

@@ -9,7 +9,9 @@
 //   narrow_bf16), and attention's grouped reads (SPLIT_PAIRS: bf16 rows read as evens and odds, split_pairs,
 //   split_floats, store_merged; SUM4: four dot products reduced together, sum4);
 // - I: 16 int32 lanes, a tile's rows (izero, iall, iadd, isub, imul, ior, ishl, ifield, ifloat; 16 rows' 4 bytes:
-//   lanes; int8: ibytes; 4 bytes in every lane: four; 4 byte products a lane summed: dot4 (u8 x s8), dot4s (s8 x s8)),
+//   lanes; int8: ibytes; 4 bytes in every lane: four; 4 byte products a lane summed: dot4 (u8 x s8), dot4s (s8 x s8);
+//   short sums: dot4_short, then widened: int16 pairs where the build lacks VNNI, one vpmaddwd a sum rather than one
+//   a product, exact while each int16 lane stays within 2^15),
 //   the 8-bit products' kernel shape (A8_TILES, A8_ROWS) and their target attribute (A8_TARGET);
 // vec_avx512.h also the bf16 dot products (LAB_BF16) and the byte dot products of Q4_1 in fixed point (LAB_VNNI).
 #pragma once

@@ -120,6 +120,14 @@ ALWAYS_INLINE I dot4(I acc, I u, I s) {  // + 4 u8 x s8 a lane (each pair's sum 
   return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(u.a, s.a), one)),
           _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(u.b, s.b), one))};
 }
+ALWAYS_INLINE I dot4_short(I acc, I u, I s) {  // + 4 u8 x s8 a lane, as int16 pairs: widened makes them int32
+  return {_mm256_add_epi16(acc.a, _mm256_maddubs_epi16(u.a, s.a)),
+          _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(u.b, s.b))};
+}
+ALWAYS_INLINE I widened(I acc) {  // dot4_short's int16 pairs -> a lane's int32 sum
+  const __m256i one = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(acc.a, one), _mm256_madd_epi16(acc.b, one)};
+}
 ALWAYS_INLINE I dot4s(I acc, I w, I x) {  // + 4 s8 x s8 a lane: |w| times x signed as w
   return dot4(acc, {_mm256_abs_epi8(w.a), _mm256_abs_epi8(w.b)},
               {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)});

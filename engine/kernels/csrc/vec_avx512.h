@@ -12,7 +12,7 @@ constexpr const char* ISA = "AVX512";
 constexpr int ACC = 4;   // a tile kernel's tiles for one row of x (ACC / rows for more): what the registers hold
 constexpr int RMAX = 8;  // and its rows of x at most
 constexpr int FMA_TILES = 3, FMA_ROWS = 6;  // an FMA kernel's tiles and rows (bf16 widened, GGUF dequantized)
-constexpr int A8_TILES = 4, A8_ROWS = 2;  // an 8-bit products' kernel's (a8.h): its int32 sums in registers
+constexpr int A8_TILES = 2, A8_ROWS = 4;  // an 8-bit products' kernel's (a8.h): its int32 sums in registers
 
 struct F {
   __m512 v;
@@ -95,11 +95,17 @@ ALWAYS_INLINE I four(const int8_t* p) {  // 4 signed bytes, in every lane
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define A8_TARGET VNNI_TARGET
 VNNI_TARGET ALWAYS_INLINE I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // + 4 u8 x s8 a lane
+VNNI_TARGET ALWAYS_INLINE I dot4_short(I acc, I u, I s) { return dot4(acc, u, s); }
+ALWAYS_INLINE I widened(I acc) { return acc; }
 #else
 #define A8_TARGET
 ALWAYS_INLINE I dot4(I acc, I u, I s) {  // + 4 u8 x s8 a lane (each pair's sum within int16)
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 }
+ALWAYS_INLINE I dot4_short(I acc, I u, I s) {  // + 4 u8 x s8 a lane, as int16 pairs: widened makes them int32
+  return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s));
+}
+ALWAYS_INLINE I widened(I acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }  // int16 pairs -> int32 lanes
 #endif
 A8_TARGET ALWAYS_INLINE I dot4s(I acc, I w, I x) {  // + 4 s8 x s8 a lane: |w| times x signed as w
   const I neg = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);

@@ -159,6 +159,8 @@ ALWAYS_INLINE I dot(I acc, I w, I x) {  // + 4 byte products a lane (w's bytes u
 }
 ALWAYS_INLINE I dot4(I acc, I u, I s) { return dot<false>(acc, u, s); }
 ALWAYS_INLINE I dot4s(I acc, I w, I x) { return dot<true>(acc, w, x); }
+ALWAYS_INLINE I dot4_short(I acc, I u, I s) { return dot4(acc, u, s); }  // int32 already
+ALWAYS_INLINE I widened(I acc) { return acc; }
 
 struct V {
   float v[W];

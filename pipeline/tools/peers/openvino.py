@@ -138,8 +138,9 @@ def run(cfg, prompts: list[list[int]], judge, load) -> tuple[list[dict], list[di
             refused.append({"backend": NAME, "precision": weights, "mode": "in-process", "reason": str(exc)})
             continue
         accuracy = agreement(ref, outputs[:n]) if len(outputs) >= n else "not measured: its run failed"
-        rows += [{**r, "precision": weights, "mode": "in-process", "accuracy": accuracy, "teacher_forced": tf}
-                 for r in got]
+        units = {} if cfg.isa.name == "native" else {"units": f"on every unit this CPU has, not {cfg.isa.unit}"}
+        rows += [{**r, "precision": weights, "mode": "in-process", "accuracy": accuracy, "teacher_forced": tf,
+                  **units} for r in got]
     shown = ["optimum-cli", *export_command(py, Path(cfg.model.path), "<weights>", Path("<out>"), 0)[1:]]
     return rows, refused, {"version": f"openvino-genai {version(py, 'openvino-genai')}, optimum-intel "
                                       f"{version(py, 'optimum-intel')}, openvino {version(py, 'openvino')}",

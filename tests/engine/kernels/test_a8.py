@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kernels import build as native
-from tests.engine.kernels.test_quant import dequantized, q4_1_blocks, random_blocks
+from tests.engine.kernels.test_quant import FORMATS, dequantized, q4_1_blocks, random_blocks
 
 lab = native.ops()
 pytestmark = pytest.mark.skipif(lab is None, reason=f"the fused kernels did not build here: {native.error}")
@@ -75,6 +75,25 @@ def test_each_format_equals_the_reference(fmt, n, rows):
     want = reference(fmt, raw, x) + bias.double().numpy() + res.double().numpy()
     scale = np.abs(dequantized(fmt, raw).numpy()).astype(np.float64) @ np.abs(x.T).astype(np.float64)
     assert np.all(np.abs(y.numpy() - want) <= 5e-7 * scale.T + 1e-5), fmt
+
+
+@pytest.mark.parametrize("fmt", list(ACT))
+def test_the_largest_integer_sums_are_exact(fmt):
+    """Every code byte 0xFF (the largest codes, scales and minima) times x's codes all 127 or all -127: the integer
+    sums at their bounds (Q4_1's and Q4_K's in int16 pairs where the build lacks VNNI) still equal the reference."""
+    _, qk, size, halves, _ = FORMATS[fmt]
+    raw = weights(fmt, np.random.default_rng(5), 24, 512).reshape(24, -1, size)
+    fields = np.ones(size, bool)
+    for off in halves:
+        fields[off:off + 2] = False
+    raw[..., fields] = 0xFF
+    raw = raw.reshape(24, -1)
+    x = np.repeat(np.array([[1], [-1], [3]], F32), 512, 1)
+    x[2, ::2] = -3  # codes +-127 alternating
+    y = product(fmt, raw, torch.from_numpy(x)).double().numpy()
+    want = reference(fmt, raw, x)
+    scale = np.abs(dequantized(fmt, raw).numpy()).astype(np.float64) @ np.abs(x.T).astype(np.float64)
+    assert np.all(np.abs(y - want) <= 5e-7 * scale.T + 1e-5), fmt
 
 
 @pytest.mark.parametrize("fmt", list(ACT))
