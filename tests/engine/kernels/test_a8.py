@@ -81,7 +81,7 @@ def test_each_format_equals_the_reference(fmt, n, rows):
 def test_the_largest_integer_sums_are_exact(fmt):
     """Every code byte 0xFF (the largest codes, scales and minima) times x's codes all 127 or all -127: the integer
     sums at their bounds (Q4_1's and Q4_K's in int16 pairs where the build lacks VNNI) still equal the reference."""
-    _, qk, size, halves, _ = FORMATS[fmt]
+    _, _, size, halves, _ = FORMATS[fmt]
     raw = weights(fmt, np.random.default_rng(5), 24, 512).reshape(24, -1, size)
     fields = np.ones(size, bool)
     for off in halves:
