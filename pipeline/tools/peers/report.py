@@ -132,9 +132,10 @@ def accuracy_lines(rows: list[dict], refused: list[dict], a: dict) -> list[str]:
               "|---|---|---|---|---|---|---|---|"]
     for q in tiered(rows, a, LAB):
         a_, b_ = q["lab"], q["peer"]
-        notes = [n for n in ("estimated" if b_ and b_["teacher_forced"].get("estimated") else "",
-                             b_ and b_.get("units")) if n]  # a peer not held to an isa level's units says so
-        peer = f"{b_['backend']} {b_['precision']}" + (f" ({'; '.join(notes)})" if notes else "") if b_ else "none"
+        peer = "none"
+        if b_:  # estimated accuracy, and units beyond the isa level's (a peer it could not hold), said beside it
+            notes = [n for n in ("estimated" if b_["teacher_forced"].get("estimated") else None, b_.get("units")) if n]
+            peer = f"{b_['backend']} {b_['precision']}" + (f" ({'; '.join(notes)})" if notes else "")
         lines.append(f"| {q['tier']} | {q['mode']} | {q['concurrency']} | {a_['precision'] if a_ else 'none'} | "
                      f"{fmt(a_ and a_['throughput_tps'], 1)} | {peer} | {fmt(b_ and b_['throughput_tps'], 1)} | "
                      f"{fmt(q['ratio'])} |")
